@@ -1,0 +1,147 @@
+"""User-facing configuration: `EngineConfig` and `GenerationConfig`.
+
+Both are dataclasses validated in `__post_init__`; a bad value raises `ValueError` naming the
+field, the value and what is allowed. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+DEVICES = ("auto", "cuda", "cpu")
+EVICTION_TYPES = ("recompute", "swap")
+QUANT_POLICIES = (None, "w8a8")
+
+
+def _check_range(name: str, value, low=None, high=None, *, low_open: bool = False) -> None:
+    """Raise ValueError unless `low <= value <= high` (or `low < value` when `low_open`)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if low is not None and (value <= low if low_open else value < low):
+        op = ">" if low_open else ">="
+        raise ValueError(f"{name} must be {op} {low}, got {value!r}")
+    if high is not None and value > high:
+        raise ValueError(f"{name} must be <= {high}, got {value!r}")
+
+
+def _check_int(name: str, value, low: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    _check_range(name, value, low)
+
+
+def _check_choice(name: str, value, choices) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
+
+
+@dataclass
+class EngineConfig:
+    """How the engine is built: precision, device, KV cache size and the scheduler's budgets.
+
+    `num_gpu_blocks == 0` sizes the device KV pool from `cache_max_entry_count` x free memory
+    (on CPU: of available RAM). Blocks live on the chosen device even when it is the CPU.
+    """
+
+    dtype: str = "auto"  # "auto": the checkpoint's dtype on CUDA, float32 on CPU
+    device: str = "auto"  # "auto": cuda when available, else cpu
+    tp: int = 1  # tensor-parallel ranks
+    block_size: int = 16  # tokens per KV block
+    num_gpu_blocks: int = 0  # device KV blocks; 0 = derive from cache_max_entry_count
+    num_cpu_blocks: int = 0  # host KV blocks for swap (0 = no swap space)
+    cache_max_entry_count: float = 0.2  # fraction of free memory given to the KV pool
+    max_batch_size: int = 128  # sequences per step
+    max_prefill_token_num: int = 4096  # prompt tokens computed per step (longer: chunked)
+    session_len: int | None = None  # max prompt + generated tokens; None = model's limit
+    eviction_type: str = "recompute"  # how to preempt when blocks run out
+    scheduling_policy: str = "fcfs"
+    qos_config_path: str | None = None
+    adapters: dict[str, str] | None = None  # adapter name -> peft folder
+    max_lora_slots: int = 8
+    quant_policy: str | None = None
+    enable_prefix_caching: bool = False
+    num_threads: int = 0  # CPU: torch intra-op threads; 0 = all cores
+    trust_remote_code: bool = False
+
+    def __post_init__(self) -> None:
+        _check_choice("dtype", self.dtype, DTYPES)
+        _check_choice("device", self.device, DEVICES)
+        _check_int("tp", self.tp, 1)
+        _check_int("block_size", self.block_size, 1)
+        _check_int("num_gpu_blocks", self.num_gpu_blocks, 0)
+        _check_int("num_cpu_blocks", self.num_cpu_blocks, 0)
+        _check_range("cache_max_entry_count", self.cache_max_entry_count, 0, 1, low_open=True)
+        _check_int("max_batch_size", self.max_batch_size, 1)
+        _check_int("max_prefill_token_num", self.max_prefill_token_num, 1)
+        if self.session_len is not None:
+            _check_int("session_len", self.session_len, 1)
+        _check_choice("eviction_type", self.eviction_type, EVICTION_TYPES)
+        if not isinstance(self.scheduling_policy, str):
+            raise ValueError(f"scheduling_policy must be a name, got {self.scheduling_policy!r}")
+        _check_int("max_lora_slots", self.max_lora_slots, 1)
+        _check_choice("quant_policy", self.quant_policy, QUANT_POLICIES)
+        _check_int("num_threads", self.num_threads, 0)
+        if self.adapters is not None and not isinstance(self.adapters, dict):
+            raise ValueError(f"adapters must be a dict of name -> folder, got {self.adapters!r}")
+
+
+@dataclass
+class GenerationConfig:
+    """How one request generates. Greedy when `do_sample` is False.
+
+    `stop_words` are matched on the decoded text and the matched text is not returned.
+    `logprobs=N` returns, for every generated token, its logprob and the top-N alternatives.
+    """
+
+    max_new_tokens: int = 512
+    min_new_tokens: int = 0
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 0  # 0 = no top-k filter
+    top_p: float = 1.0
+    repetition_penalty: float = 1.0
+    no_repeat_ngram_size: int = 0
+    stop_words: list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    random_seed: int | None = None
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    extra: dict = field(default_factory=dict, repr=False)  # room for later options
+
+    def __post_init__(self) -> None:
+        _check_int("max_new_tokens", self.max_new_tokens, 1)
+        _check_int("min_new_tokens", self.min_new_tokens, 0)
+        if self.min_new_tokens > self.max_new_tokens:
+            raise ValueError(
+                f"min_new_tokens ({self.min_new_tokens}) must be <= max_new_tokens "
+                f"({self.max_new_tokens})"
+            )
+        if not isinstance(self.do_sample, bool):
+            raise ValueError(f"do_sample must be a bool, got {self.do_sample!r}")
+        _check_range("temperature", self.temperature, 0, low_open=True)
+        _check_int("top_k", self.top_k, 0)
+        _check_range("top_p", self.top_p, 0, 1, low_open=True)
+        _check_range("repetition_penalty", self.repetition_penalty, 0, low_open=True)
+        _check_int("no_repeat_ngram_size", self.no_repeat_ngram_size, 0)
+        if self.stop_words is not None:
+            if isinstance(self.stop_words, str):
+                self.stop_words = [self.stop_words]
+            if not all(isinstance(w, str) and w for w in self.stop_words):
+                raise ValueError(f"stop_words must be non-empty strings, got {self.stop_words!r}")
+        if self.stop_token_ids is not None:
+            if isinstance(self.stop_token_ids, int):
+                self.stop_token_ids = [self.stop_token_ids]
+            for t in self.stop_token_ids:
+                _check_int("stop_token_ids[]", t, 0)
+        if self.random_seed is not None:
+            _check_int("random_seed", self.random_seed, 0)
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, 0)
+            if self.logprobs > 20:
+                raise ValueError(f"logprobs must be <= 20, got {self.logprobs!r}")
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls) if f.name != "extra"]

@@ -1,0 +1,1 @@
+"""The engine: loop, requests, model agent, KV cache engine, sampling."""

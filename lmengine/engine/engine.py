@@ -1,0 +1,305 @@
+"""The Engine: one RequestManager, one Scheduler, one ModelAgent and the step loop.
+
+The loop runs in one background thread and is the only code that touches the Scheduler and
+the model. Each iteration: (1) drain requests, (2) schedule, (3) swap/copy blocks and run the
+model, (4) sample, (5) update sequences and publish responses.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import queue
+import threading
+import traceback
+from dataclasses import dataclass
+
+import torch
+
+from lmengine.config import EngineConfig, GenerationConfig
+from lmengine.engine.detokenize import IncrementalDetokenizer
+from lmengine.engine.loader import load_model_and_tokenizer
+from lmengine.engine.model_agent import ModelAgent
+from lmengine.engine.request import (
+    AddRequest,
+    CallRequest,
+    CancelRequest,
+    EndRequest,
+    Request,
+    RequestError,
+    RequestManager,
+    Response,
+)
+from lmengine.engine.sampling import SampleResult
+from lmengine.models.model_info import ModelInfo
+from lmengine.scheduler import BlockManager, Scheduler, SchedulerOutput, Sequence, get_policy
+
+logger = logging.getLogger("lmengine")
+
+
+@dataclass(eq=False)
+class _RequestState:
+    """Engine-side state of one running request: its sequence, text and stop matching."""
+
+    req: AddRequest
+    seq: Sequence
+    detok: IncrementalDetokenizer | None
+    logprobs: list[dict[int, float]] | None
+    text: str | None = None
+
+    def visible_text(self, finished: bool) -> str | None:
+        """Text safe to show: while running, hold back a tail that may start a stop word."""
+        words = self.req.gen_config.stop_words
+        if finished or not words or self.text is None:
+            return self.text
+        hold = max(len(w) for w in words) - 1
+        return self.text[: max(0, len(self.text) - hold)]
+
+    def response(self, token_ids: list[int], finish_reason: str | None) -> Response:
+        return Response(
+            text=self.visible_text(finish_reason is not None),
+            token_ids=token_ids,
+            finish_reason=finish_reason,
+            input_token_len=self.seq.num_prompt_tokens,
+            generate_token_len=len(token_ids),
+            logprobs=list(self.logprobs) if self.logprobs is not None else None,
+        )
+
+
+class Engine:
+    """Serves generation requests from any number of threads with continuous batching.
+
+    Holds no tensors itself: the ModelAgent owns weights and KV cache, the Scheduler owns
+    sequences and blocks. Build with `Engine.from_pretrained`; talk to it through
+    `create_instance()`; `close()` stops the loop and fails whatever is still outstanding.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer,
+        engine_config: EngineConfig | None = None,
+        device: torch.device | None = None,
+        model_path: str | None = None,
+    ) -> None:
+        cfg = engine_config or EngineConfig()
+        self.engine_config = cfg
+        self.model_path = model_path
+        self.tokenizer = tokenizer
+        device = device or next(model.parameters()).device
+        if device.type == "cpu":
+            torch.set_num_threads(cfg.num_threads or os.cpu_count() or 1)
+        self.info = ModelInfo.from_hf(model.config, getattr(model, "generation_config", None))
+        self.model_agent = ModelAgent(model, self.info, cfg, device)
+        num_blocks = self.model_agent.num_gpu_blocks
+        self.scheduler = Scheduler(
+            BlockManager(num_blocks, cfg.num_cpu_blocks, cfg.block_size),
+            get_policy(cfg.scheduling_policy),
+            max_batch_size=cfg.max_batch_size,
+            max_prefill_token_num=cfg.max_prefill_token_num,
+        )
+        # NOTE: a sequence can never outgrow the whole KV pool, so cap its length there.
+        self.session_len = min(
+            cfg.session_len or self.info.max_position_embeddings, num_blocks * cfg.block_size
+        )
+        self.request_manager = RequestManager(self._validate)
+        self._states: dict[int, _RequestState] = {}  # session_id -> running request
+        self._seq_ids = itertools.count()
+        self._session_ids = itertools.count(1 << 48)  # auto ids, far from user-chosen ones
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="lmengine-loop", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_pretrained(
+        cls, model_path: str | None = None, engine_config: EngineConfig | None = None
+    ) -> Engine:
+        """Load a folder, hub id or GGUF file (None: the default model) and start the loop."""
+        cfg = engine_config or EngineConfig()
+        model, tokenizer, path, device = load_model_and_tokenizer(
+            model_path, cfg.dtype, cfg.device, cfg.trust_remote_code
+        )
+        return cls(model, tokenizer, cfg, device, model_path=path)
+
+    def create_instance(self):
+        from lmengine.engine.instance import EngineInstance
+
+        return EngineInstance(self)
+
+    def new_session_id(self) -> int:
+        return next(self._session_ids)
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+    def close(self) -> None:
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self.request_manager.wake()
+        self._thread.join()
+        self.request_manager.close("engine closed")
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def call(self, fn, timeout: float | None = 60.0):
+        """Run `fn()` on the loop thread between steps and return its result."""
+        result: queue.Queue = queue.Queue()
+        self.request_manager.submit(CallRequest(fn, result))
+        ok, value = result.get(timeout=timeout)
+        if not ok:
+            raise value
+        return value
+
+    def check_integrity(self) -> None:
+        """Assert that every KV block is owned exactly by the live sequences (loop-thread safe)."""
+        self.call(self.scheduler.check_integrity)
+
+    def stats(self) -> dict[str, int]:
+        return self.call(self.scheduler.stats)
+
+    # ---- validation (submitting thread; reads immutable state only) ---------------------------
+    def _validate(self, req: AddRequest) -> None:
+        if not isinstance(req.gen_config, GenerationConfig):
+            raise RequestError(f"gen_config must be a GenerationConfig, got {req.gen_config!r}")
+        ids = req.input_ids
+        if not isinstance(ids, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in ids
+        ):
+            raise RequestError("input_ids must be a list of integer token ids")
+        if not ids:
+            raise RequestError("empty prompt: input_ids has no tokens")
+        bad = [t for t in ids if t < 0 or t >= self.info.vocab_size]
+        if bad:
+            raise RequestError(
+                f"token id {bad[0]} is outside the vocabulary [0, {self.info.vocab_size})"
+            )
+        if len(ids) >= self.session_len:
+            raise RequestError(
+                f"prompt of {len(ids)} tokens leaves no room to generate within "
+                f"session_len={self.session_len}"
+            )
+        if req.adapter_name is not None:
+            raise RequestError(f"unknown adapter {req.adapter_name!r}: no adapters are loaded")
+        if req.priority is not None and (
+            isinstance(req.priority, bool) or not isinstance(req.priority, int)
+        ):
+            raise RequestError(f"priority must be an integer or None, got {req.priority!r}")
+
+    # ---- the loop thread ----------------------------------------------------------------------
+    def _loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                idle = not self.scheduler.has_unfinished
+                for req in self.request_manager.drain(block=idle):
+                    self._handle(req)
+                if self.scheduler.has_unfinished:
+                    self.step()
+        except BaseException as e:  # NOTE: any death of the loop must reach every caller
+            logger.error("engine loop died:\n%s", traceback.format_exc())
+            self.request_manager.close(f"engine loop died: {type(e).__name__}: {e}")
+
+    def _handle(self, req: Request) -> None:
+        if isinstance(req, AddRequest):
+            self._add(req)
+        elif isinstance(req, CancelRequest):
+            self._finish_session(req.session_id, "cancel")
+        elif isinstance(req, EndRequest):
+            self._finish_session(req.session_id, "cancel")
+            self.scheduler.end_session(req.session_id)
+        elif isinstance(req, CallRequest):
+            try:
+                req.result_queue.put((True, req.fn()))
+            except Exception as e:
+                req.result_queue.put((False, e))
+
+    def _add(self, req: AddRequest) -> None:
+        if req.session_id in self._states:
+            self.request_manager.publish(
+                req,
+                Response(
+                    finish_reason="error",
+                    error=f"session {req.session_id} already has a running request",
+                    input_token_len=len(req.input_ids),
+                ),
+            )
+            return
+        seq = Sequence(
+            seq_id=next(self._seq_ids),
+            session_id=req.session_id,
+            token_ids=list(req.input_ids),
+            gen_config=req.gen_config,
+            priority=req.priority,
+            user_id=req.user_id,
+            adapter_name=req.adapter_name,
+        )
+        detok = None
+        if self.tokenizer is not None:
+            detok = IncrementalDetokenizer(
+                self.tokenizer, req.input_ids, req.gen_config.skip_special_tokens
+            )
+        logprobs = [] if req.gen_config.logprobs is not None else None
+        self._states[req.session_id] = _RequestState(req, seq, detok, logprobs, "" if detok else None)
+        self.scheduler.add_sequence(seq)
+
+    def _finish_session(self, session_id: int, reason: str) -> None:
+        state = self._states.pop(session_id, None)
+        if state is None:
+            return
+        self.scheduler.abort_sequence(state.seq)
+        self.model_agent.release(state.seq.seq_id)
+        resp = state.response(list(state.seq.generated_token_ids), reason)
+        self.request_manager.publish(state.req, resp)
+
+    def step(self) -> SchedulerOutput:
+        out = self.scheduler.schedule()
+        results = self.model_agent.forward(out)
+        new_tokens: dict[int, int] = {}
+        finished: list[Sequence] = []
+        for item in out.scheduled:
+            res = results.get(item.seq.seq_id)
+            if res is None:
+                continue
+            state = self._states[item.seq.session_id]
+            new_tokens[item.seq.seq_id] = res.token_id
+            reason = self._check_stop(state, res)
+            token_ids = [*item.seq.generated_token_ids, res.token_id]
+            self.request_manager.publish(state.req, state.response(token_ids, reason))
+            if reason is not None:
+                finished.append(item.seq)
+                del self._states[item.seq.session_id]
+                self.model_agent.release(item.seq.seq_id)
+        self.scheduler.update(out, new_tokens, finished)
+        return out
+
+    def _check_stop(self, state: _RequestState, res: SampleResult) -> str | None:
+        """Record the sampled token in the request's text; return a finish reason or None."""
+        seq, cfg, tok = state.seq, state.req.gen_config, res.token_id
+        if state.logprobs is not None:
+            state.logprobs.append(res.top_logprobs or {})
+        scan_from = len(state.text) if state.text is not None else 0
+        if state.detok is not None:
+            state.detok.add(tok)
+            state.text = state.detok.text
+        num_generated = seq.num_generated_tokens + 1
+        if num_generated > cfg.min_new_tokens:
+            if not cfg.ignore_eos and tok in self.info.eos_token_ids:
+                return "stop"
+            if cfg.stop_token_ids and tok in cfg.stop_token_ids:
+                return "stop"
+            if cfg.stop_words and state.text is not None:
+                for word in cfg.stop_words:
+                    at = state.text.find(word, max(0, scan_from - len(word) + 1))
+                    if at >= 0:
+                        state.text = state.text[:at]
+                        return "stop"
+        if num_generated >= cfg.max_new_tokens or seq.num_tokens + 1 >= self.session_len:
+            return "length"
+        return None

@@ -1,0 +1,63 @@
+"""EngineInstance: the per-caller handle. Use one per thread, or share one: it keeps no state
+besides the engine it talks to."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from lmengine.config import GenerationConfig
+from lmengine.engine.request import AddRequest, CancelRequest, EndRequest, Response, new_queue
+
+
+class EngineInstance:
+    def __init__(self, engine) -> None:
+        self.engine = engine
+
+    def stream_infer(
+        self,
+        session_id: int,
+        input_ids: list[int],
+        gen_config: GenerationConfig | None = None,
+        adapter_name: str | None = None,
+        priority: int | None = None,
+        user_id: str | None = None,
+    ) -> Iterator[Response]:
+        """Yield a Response after every generated token; the last has a finish_reason.
+
+        Closing the iterator early cancels the request.
+        """
+        responses = new_queue()
+        req = AddRequest(
+            session_id=session_id,
+            input_ids=list(input_ids) if isinstance(input_ids, tuple) else input_ids,
+            gen_config=gen_config if gen_config is not None else GenerationConfig(),
+            response_queue=responses,
+            adapter_name=adapter_name,
+            priority=priority,
+            user_id=user_id,
+        )
+        self.engine.request_manager.submit(req)
+        finished = False
+        try:
+            while not finished:
+                resp = responses.get()
+                finished = resp.finish_reason is not None
+                yield resp
+        finally:
+            if not finished:
+                self.cancel(session_id)
+
+    def infer(self, session_id: int, input_ids: list[int], **kwargs) -> Response:
+        """Run to completion and return the final Response."""
+        resp = None
+        for resp in self.stream_infer(session_id, input_ids, **kwargs):
+            pass
+        return resp
+
+    def cancel(self, session_id: int) -> None:
+        """Stop the session's running request; its stream ends with finish_reason 'cancel'."""
+        self.engine.request_manager.submit(CancelRequest(session_id))
+
+    def end(self, session_id: int) -> None:
+        """Cancel whatever the session runs and forget the session."""
+        self.engine.request_manager.submit(EndRequest(session_id))

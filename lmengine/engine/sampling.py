@@ -1,0 +1,133 @@
+"""Batched sampling: one pass over the [num_samples, vocab] logits for the whole batch.
+
+Order of operations (as transformers): repetition penalty, no-repeat-ngram ban, min-new-tokens
+ban of stop tokens, then greedy argmax, or temperature -> top-k -> top-p -> draw. Draws use the
+exponential-race trick (argmax of p / Exp(1) noise); a request with `random_seed` draws its noise
+from its own generator, so its tokens do not depend on the rest of the batch. Logprobs are those
+of the model's raw distribution (before any processing).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+import torch
+
+from lmengine.scheduler.sequence import Sequence
+
+
+@dataclass
+class SampleResult:
+    token_id: int
+    logprob: float | None = None  # raw logprob of token_id, when asked
+    top_logprobs: dict[int, float] | None = None  # top-N alternatives and the chosen token
+
+
+def banned_ngram_tokens(token_ids: list[int], n: int) -> list[int]:
+    """Tokens that would complete an n-gram already present in `token_ids`."""
+    if n <= 0 or len(token_ids) < n:
+        return []
+    prefix = tuple(token_ids[len(token_ids) - n + 1 :])
+    banned = []
+    for i in range(len(token_ids) - n + 1):
+        if tuple(token_ids[i : i + n - 1]) == prefix:
+            banned.append(token_ids[i + n - 1])
+    return banned
+
+
+class Sampler:
+    """Turns logits into tokens for a batch of sequences. Holds per-request generators."""
+
+    def __init__(self, eos_token_ids: Seq[int], device: torch.device) -> None:
+        self.eos_token_ids = list(eos_token_ids)
+        self.device = device
+        self._generators: dict[int, torch.Generator] = {}
+
+    def release(self, seq_id: int) -> None:
+        self._generators.pop(seq_id, None)
+
+    def _generator(self, seq: Sequence) -> torch.Generator:
+        gen = self._generators.get(seq.seq_id)
+        if gen is None:
+            gen = torch.Generator(device=self.device).manual_seed(seq.gen_config.random_seed)
+            self._generators[seq.seq_id] = gen
+        return gen
+
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampleResult]:
+        """logits: [num_samples, vocab] float32, row i for seqs[i]."""
+        cfgs = [s.gen_config for s in seqs]
+        raw_logprobs = None
+        if any(c.logprobs is not None for c in cfgs):
+            raw_logprobs = logits.log_softmax(-1)  # [num_samples, vocab]
+        logits = self._apply_penalties(logits.clone(), seqs)
+        tokens = logits.argmax(-1)  # [num_samples]
+        sample_rows = [i for i, c in enumerate(cfgs) if c.do_sample]
+        if sample_rows:
+            tokens[sample_rows] = self._draw(logits[sample_rows], [seqs[i] for i in sample_rows])
+        token_list = tokens.tolist()
+        results = [SampleResult(t) for t in token_list]
+        if raw_logprobs is not None:
+            for i, c in enumerate(cfgs):
+                if c.logprobs is None:
+                    continue
+                tok = token_list[i]
+                top = {}
+                if c.logprobs > 0:
+                    values, ids = raw_logprobs[i].topk(c.logprobs)
+                    top = dict(zip(ids.tolist(), values.tolist()))
+                chosen = float(raw_logprobs[i, tok])
+                top[tok] = chosen
+                results[i].logprob = chosen
+                results[i].top_logprobs = top
+        return results
+
+    def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        cfgs = [s.gen_config for s in seqs]
+        rows = [i for i, c in enumerate(cfgs) if c.repetition_penalty != 1.0]
+        if rows:
+            history = [seqs[i].token_ids for i in rows]
+            width = max(len(h) for h in history)
+            # pad with each row's own first token: a duplicate index rewrites the same value
+            index = torch.tensor([h + [h[0]] * (width - len(h)) for h in history])
+            index = index.to(logits.device)  # [num_rows, width]
+            penalty = torch.tensor([cfgs[i].repetition_penalty for i in rows], device=logits.device)
+            sub = logits[rows]
+            picked = sub.gather(1, index)
+            picked = torch.where(picked > 0, picked / penalty[:, None], picked * penalty[:, None])
+            logits[rows] = sub.scatter(1, index, picked)
+        for i, (seq, c) in enumerate(zip(seqs, cfgs)):
+            if c.no_repeat_ngram_size:
+                banned = banned_ngram_tokens(seq.token_ids, c.no_repeat_ngram_size)
+                if banned:
+                    logits[i, banned] = float("-inf")
+            if seq.num_generated_tokens < c.min_new_tokens:
+                stops = list(c.stop_token_ids or [])
+                if not c.ignore_eos:
+                    stops += self.eos_token_ids
+                stops = [t for t in stops if t < logits.shape[1]]
+                if stops:
+                    logits[i, stops] = float("-inf")
+        return logits
+
+    def _draw(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """logits: [num_rows, vocab] -> sampled token per row."""
+        cfgs = [s.gen_config for s in seqs]
+        dev = logits.device
+        temperature = torch.tensor([c.temperature for c in cfgs], device=dev)
+        logits = logits / temperature[:, None]
+        if any(c.top_k > 0 or c.top_p < 1.0 for c in cfgs):
+            sorted_logits, sorted_ids = logits.sort(-1, descending=True)  # [rows, vocab]
+            probs = sorted_logits.softmax(-1)
+            top_p = torch.tensor([c.top_p for c in cfgs], device=dev)
+            remove = (probs.cumsum(-1) - probs) > top_p[:, None]  # keeps at least the first
+            top_k = torch.tensor([c.top_k or logits.shape[1] for c in cfgs], device=dev)
+            remove |= torch.arange(logits.shape[1], device=dev)[None, :] >= top_k[:, None]
+            sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+            logits = torch.empty_like(logits).scatter_(1, sorted_ids, sorted_logits)
+        probs = logits.softmax(-1)
+        noise = torch.empty_like(probs).exponential_()
+        for row, seq in enumerate(seqs):
+            if seq.gen_config.random_seed is not None:
+                noise[row].exponential_(generator=self._generator(seq))
+        return (probs / noise).argmax(-1)

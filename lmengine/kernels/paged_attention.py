@@ -1,0 +1,192 @@
+"""Causal attention of a packed, variable-length batch over the paged KV cache.
+
+One call serves prefill chunks and decode tokens together. Sequence b owns packed query tokens
+`[q_start_loc[b], q_start_loc[b] + q_lens[b])`; its keys are the first `kv_lens[b]` cache slots
+of its block table, which already hold this step's keys (fill_kv_cache runs first). Query i of
+sequence b sits at position `kv_lens[b] - q_lens[b] + i` and sees keys `0..position`.
+
+GQA is handled by grouping query heads per KV head, never by repeating the cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class _GroupPlan:
+    """Padded gather indices for a group of sequences (all decodes, or all prefills)."""
+
+    q_index: torch.Tensor  # [num_seqs, max_q] packed token per query row (padding repeats)
+    kv_slots: torch.Tensor  # [num_seqs, max_kv] flat cache slot per key (padding -> slot 0)
+    mask: torch.Tensor  # [num_seqs, 1, max_q, max_kv] bool, True = attend
+    out_rows: torch.Tensor  # [num_valid] rows of the flattened [num_seqs * max_q] result
+    out_tokens: torch.Tensor  # [num_valid] packed token index each valid row goes to
+    tiled_masks: dict[int, torch.Tensor] = field(default_factory=dict)  # per GQA group size
+
+    def mask_for(self, group_size: int) -> torch.Tensor:
+        """Mask for query rows ordered (head-in-group, query): [num_seqs, 1, g*max_q, max_kv]."""
+        if group_size not in self.tiled_masks:
+            self.tiled_masks[group_size] = self.mask.repeat(1, 1, group_size, 1)
+        return self.tiled_masks[group_size]
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step attention inputs, built once per step and shared by every layer."""
+
+    block_tables: torch.Tensor  # [num_seqs, max_num_blocks] int32, padded with 0
+    q_start_loc: torch.Tensor  # [num_seqs] int32, first packed token of each sequence
+    q_lens: torch.Tensor  # [num_seqs] int32, tokens computed this step
+    kv_lens: torch.Tensor  # [num_seqs] int32, cached tokens after this step's fill
+    max_q_len: int
+    max_kv_len: int
+    block_size: int
+    groups: list[_GroupPlan] = field(default_factory=list)  # CPU path only
+
+    @classmethod
+    def build(
+        cls,
+        block_tables: list[list[int]],
+        q_lens: list[int],
+        kv_lens: list[int],
+        block_size: int,
+        device: torch.device | str = "cpu",
+    ) -> AttentionMetadata:
+        num_seqs = len(q_lens)
+        width = max(len(t) for t in block_tables)
+        table = torch.zeros(num_seqs, width, dtype=torch.int32)
+        for b, t in enumerate(block_tables):
+            table[b, : len(t)] = torch.tensor(t, dtype=torch.int32)
+        q_lens_t = torch.tensor(q_lens, dtype=torch.int32)
+        kv_lens_t = torch.tensor(kv_lens, dtype=torch.int32)
+        q_start = torch.zeros(num_seqs, dtype=torch.int32)
+        q_start[1:] = torch.cumsum(q_lens_t, 0)[:-1]
+        meta = cls(
+            block_tables=table,
+            q_start_loc=q_start,
+            q_lens=q_lens_t,
+            kv_lens=kv_lens_t,
+            max_q_len=max(q_lens),
+            max_kv_len=max(kv_lens),
+            block_size=block_size,
+        )
+        if torch.device(device).type == "cpu":
+            is_decode = q_lens_t == 1
+            for sel in (is_decode, ~is_decode):
+                if bool(sel.any()):
+                    meta.groups.append(_plan_group(meta, sel.nonzero().flatten()))
+        else:
+            for name in ("block_tables", "q_start_loc", "q_lens", "kv_lens"):
+                setattr(meta, name, getattr(meta, name).to(device, non_blocking=True))
+        return meta
+
+
+def _plan_group(meta: AttentionMetadata, seqs: torch.Tensor) -> _GroupPlan:
+    q_lens = meta.q_lens[seqs].long()  # [n]
+    kv_lens = meta.kv_lens[seqs].long()  # [n]
+    max_q, max_kv = int(q_lens.max()), int(kv_lens.max())
+    rows = torch.arange(max_q)
+    row_clamped = torch.minimum(rows[None, :], q_lens[:, None] - 1)  # [n, max_q]
+    q_index = meta.q_start_loc[seqs].long()[:, None] + row_clamped
+    keys = torch.arange(max_kv)
+    blocks = meta.block_tables[seqs].long()[:, keys // meta.block_size]  # [n, max_kv]
+    kv_slots = blocks * meta.block_size + keys % meta.block_size
+    # key j is visible to query i iff j <= position(i); padded rows see every real key
+    last_visible = (kv_lens - q_lens)[:, None] + row_clamped  # [n, max_q]
+    mask = keys[None, None, :] <= last_visible[:, :, None]  # [n, max_q, max_kv]
+    valid = (rows[None, :] < q_lens[:, None]).flatten()
+    out_rows = valid.nonzero().flatten()
+    return _GroupPlan(
+        q_index=q_index,
+        kv_slots=kv_slots,
+        mask=mask[:, None],
+        out_rows=out_rows,
+        out_tokens=q_index.flatten()[out_rows],
+    )
+
+
+def paged_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Plain per-sequence reference. q: [num_tokens, num_heads, head_dim];
+    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim] -> [num_tokens, num_heads, head_dim]."""
+    out = torch.empty_like(q)
+    num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
+    bs = k_cache.shape[1]
+    for b in range(meta.q_lens.shape[0]):
+        start, q_len, kv_len = (int(x[b]) for x in (meta.q_start_loc, meta.q_lens, meta.kv_lens))
+        slots = [int(meta.block_tables[b, j // bs]) * bs + j % bs for j in range(kv_len)]
+        k = k_cache.view(-1, *k_cache.shape[2:])[slots]  # [kv_len, num_kv_heads, head_dim]
+        v = v_cache.view(-1, *v_cache.shape[2:])[slots]
+        k = k.repeat_interleave(num_heads // num_kv_heads, dim=1).transpose(0, 1).float()
+        v = v.repeat_interleave(num_heads // num_kv_heads, dim=1).transpose(0, 1).float()
+        qb = q[start : start + q_len].transpose(0, 1).float()  # [num_heads, q_len, head_dim]
+        scores = qb @ k.transpose(1, 2) * scale  # [num_heads, q_len, kv_len]
+        pos = torch.arange(kv_len - q_len, kv_len)[:, None]
+        scores.masked_fill_(torch.arange(kv_len)[None, :] > pos, float("-inf"))
+        probs = scores.softmax(-1)
+        out[start : start + q_len] = (probs @ v).transpose(0, 1).to(q.dtype)
+    return out
+
+
+def paged_attention_cpu(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Vectorised CPU path: one padded SDPA call per group (decodes, prefills)."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    group_size = num_heads // num_kv_heads
+    k_flat = k_cache.view(-1, num_kv_heads, head_dim)  # [num_slots, num_kv_heads, head_dim]
+    v_flat = v_cache.view(-1, num_kv_heads, head_dim)
+    out = torch.empty_like(q)
+    for plan in meta.groups:
+        n, max_q = plan.q_index.shape
+        # [n, max_q, kv_heads, g, d] -> [n, kv_heads, g * max_q, d]
+        qg = q[plan.q_index].view(n, max_q, num_kv_heads, group_size, head_dim)
+        qg = qg.permute(0, 2, 3, 1, 4).reshape(n, num_kv_heads, group_size * max_q, head_dim)
+        kg = k_flat[plan.kv_slots].transpose(1, 2)  # [n, kv_heads, max_kv, d]
+        vg = v_flat[plan.kv_slots].transpose(1, 2)
+        res = F.scaled_dot_product_attention(
+            qg, kg, vg, attn_mask=plan.mask_for(group_size), scale=scale
+        )
+        # [n, kv_heads, g, max_q, d] -> [n * max_q, heads, d]
+        res = res.view(n, num_kv_heads, group_size, max_q, head_dim).permute(0, 3, 1, 2, 4)
+        res = res.reshape(n * max_q, num_heads, head_dim)
+        if max_q == 1:
+            out[plan.out_tokens] = res
+        else:
+            out[plan.out_tokens] = res[plan.out_rows]
+    return out
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """q: [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, head_dim]."""
+    if q.shape[1] % k_cache.shape[2] != 0:
+        raise ValueError(
+            f"paged_attention: {q.shape[1]} query heads not a multiple of {k_cache.shape[2]} KV heads"
+        )
+    if q.is_cuda:
+        from lmengine.kernels.triton.paged_attention import paged_attention_triton
+
+        return paged_attention_triton(q, k_cache, v_cache, meta, scale)
+    if not meta.groups:
+        raise ValueError("paged_attention: metadata was built for another device than the CPU")
+    return paged_attention_cpu(q, k_cache, v_cache, meta, scale)

@@ -1,0 +1,82 @@
+"""Llama patched for paged, packed execution.
+
+The whole batch is one packed token sequence without padding: hidden states are
+[num_tokens, hidden]. Attention writes this step's K/V into the paged cache and reads the
+history through the StepContext. The LM head runs only on the rows that are sampled.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.models.llama.modeling_llama import (
+    LlamaAttention,
+    LlamaDecoderLayer,
+    LlamaForCausalLM,
+    LlamaModel,
+    LlamaRMSNorm,
+)
+
+from lmengine.kernels import add_rms_norm, apply_rotary, fill_kv_cache, paged_attention, rms_norm
+from lmengine.models.context import get_step_context
+
+
+class PatchedRMSNorm(LlamaRMSNorm):
+    """RMSNorm, optionally fused with the residual add before it."""
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return rms_norm(x, self.weight, self.variance_epsilon)
+        return add_rms_norm(x, residual, self.weight, self.variance_epsilon)
+
+
+class PatchedLlamaAttention(LlamaAttention):
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        ctx = get_step_context()
+        num_tokens = hidden_states.shape[0]
+        # [num_tokens, heads, head_dim] and [num_tokens, kv_heads, head_dim]
+        q = self.q_proj(hidden_states).view(num_tokens, -1, self.head_dim)
+        k = self.k_proj(hidden_states).view(num_tokens, -1, self.head_dim)
+        v = self.v_proj(hidden_states).view(num_tokens, -1, self.head_dim)
+        q, k = apply_rotary(q, k, ctx.cos, ctx.sin)
+        k_cache, v_cache = ctx.kv_caches[self.layer_idx]
+        fill_kv_cache(k, v, k_cache, v_cache, ctx.slot_mapping)
+        out = paged_attention(q, k_cache, v_cache, ctx.attn_meta, self.scaling)
+        return self.o_proj(out.view(num_tokens, -1))
+
+
+class PatchedLlamaDecoderLayer(LlamaDecoderLayer):
+    def forward(
+        self, hidden_states: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(hidden_states)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class PatchedLlamaModel(LlamaModel):
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids: [num_tokens] -> final hidden states [num_tokens, hidden]."""
+        ctx = get_step_context()
+        hidden_states = self.embed_tokens(input_ids)  # [num_tokens, hidden]
+        cos, sin = self.rotary_emb(hidden_states, ctx.positions[None])  # [1, num_tokens, d]
+        ctx.cos, ctx.sin = cos[0], sin[0]
+        residual = None
+        for layer in self.layers[: self.config.num_hidden_layers]:
+            hidden_states, residual = layer(hidden_states, residual)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+class PatchedLlamaForCausalLM(LlamaForCausalLM):
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids: [num_tokens] -> logits of the sampled rows [num_samples, vocab]."""
+        hidden_states = self.model(input_ids)
+        hidden_states = hidden_states[get_step_context().logits_indices]
+        return self.lm_head(hidden_states).float()

@@ -1,0 +1,48 @@
+"""`patch(model)`: swap the classes named in MODULE_MAP for their lmengine implementations."""
+
+from __future__ import annotations
+
+import importlib
+
+from torch import nn
+
+from lmengine.models.module_map import MODULE_MAP
+
+
+def qualname(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _import(name: str) -> type:
+    module, _, attr = name.rpartition(".")
+    return getattr(importlib.import_module(module), attr)
+
+
+def supported_architectures(module_map: dict[str, str] | None = None) -> list[str]:
+    """Class names of the causal-LM heads that have a patch."""
+    names = (module_map or MODULE_MAP).keys()
+    return sorted(n.rpartition(".")[2] for n in names if n.endswith("ForCausalLM"))
+
+
+def patch(model: nn.Module, extra_map: dict[str, str] | None = None) -> nn.Module:
+    """Patch `model` in place and return it.
+
+    Raises ValueError for an architecture without a patch: running it unpatched would
+    silently ignore the paged KV cache.
+    """
+    module_map = {**MODULE_MAP, **(extra_map or {})}
+    top = qualname(type(model))
+    if top not in module_map:
+        raise ValueError(
+            f"architecture {type(model).__name__} has no lmengine patch; supported: "
+            f"{', '.join(supported_architectures(module_map))}. To add one, write patched "
+            "modules and register them in MODULE_MAP (README: Adding a model)."
+        )
+    for module in model.modules():
+        target = module_map.get(qualname(type(module)))
+        if target is not None:
+            cls = _import(target)
+            if not issubclass(cls, type(module)):
+                raise TypeError(f"{target} must subclass {qualname(type(module))}")
+            module.__class__ = cls
+    return model

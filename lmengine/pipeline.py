@@ -1,0 +1,167 @@
+"""`pipeline(...)`: prompts in, Responses with text out, over one Engine.
+
+A prompt is a string, a list of chat messages (`[{"role": ..., "content": ...}]`) or a list of
+token ids. Strings and messages go through the tokenizer's chat template when it has one (as
+lmdeploy does); pass `apply_chat_template=False` to send strings raw.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from lmengine.config import EngineConfig, GenerationConfig
+from lmengine.engine.engine import Engine
+from lmengine.engine.request import AddRequest, Response, new_queue
+
+Prompt = str | list[dict] | list[int]
+
+
+class Pipeline:
+    """Batch generation over an Engine; a context manager that closes the engine."""
+
+    def __init__(self, engine: Engine, apply_chat_template: bool = True) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.apply_chat_template = apply_chat_template
+
+    # ---- prompts ------------------------------------------------------------------------------
+    def encode(self, prompt: Prompt) -> list[int]:
+        """Token ids of one prompt."""
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt) and prompt:
+            return list(prompt)
+        has_template = getattr(self.tokenizer, "chat_template", None) is not None
+        if isinstance(prompt, str):
+            if not (self.apply_chat_template and has_template):
+                return list(self.tokenizer(prompt)["input_ids"])
+            prompt = [{"role": "user", "content": prompt}]
+        if isinstance(prompt, list) and all(isinstance(m, dict) for m in prompt):
+            if not has_template:
+                raise ValueError("chat messages given but the tokenizer has no chat template")
+            ids = self.tokenizer.apply_chat_template(
+                prompt, add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+                ids = ids["input_ids"]
+            return list(ids)
+        raise ValueError(
+            f"a prompt must be a string, a list of chat messages or token ids, got {prompt!r:.80}"
+        )
+
+    @staticmethod
+    def _as_batch(prompts) -> tuple[list[Prompt], bool]:
+        """(list of prompts, whether a single prompt was given)."""
+        if isinstance(prompts, str):
+            return [prompts], True
+        if isinstance(prompts, list) and prompts and all(isinstance(m, dict) for m in prompts):
+            return [prompts], True
+        if isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts):
+            return [prompts], True
+        return list(prompts), False
+
+    def _submit(self, prompts: list[Prompt], gen_config, adapter_name, priority, responses):
+        configs = gen_config if isinstance(gen_config, list) else [gen_config] * len(prompts)
+        if len(configs) != len(prompts):
+            raise ValueError(f"{len(configs)} gen_configs for {len(prompts)} prompts")
+        adapters = adapter_name if isinstance(adapter_name, list) else [adapter_name] * len(prompts)
+        for i, (prompt, cfg, adapter) in enumerate(zip(prompts, configs, adapters)):
+            try:
+                ids = self.encode(prompt)
+            except ValueError as e:
+                responses.put(Response(finish_reason="error", error=str(e), index=i))
+                continue
+            req = AddRequest(
+                session_id=self.engine.new_session_id(),
+                input_ids=ids,
+                gen_config=cfg if cfg is not None else GenerationConfig(),
+                response_queue=responses,
+                adapter_name=adapter,
+                priority=priority,
+                index=i,
+            )
+            self.engine.request_manager.submit(req)
+
+    # ---- generation ---------------------------------------------------------------------------
+    def stream_infer(
+        self,
+        prompts,
+        gen_config: GenerationConfig | list[GenerationConfig] | None = None,
+        adapter_name: str | list[str] | None = None,
+        priority: int | None = None,
+    ) -> Iterator[Response]:
+        """Yield deltas: each Response carries the new text and new token ids of prompt
+        `r.index` since its previous delta; the last one of a prompt has its finish_reason."""
+        batch, _ = self._as_batch(prompts)
+        responses = new_queue()
+        self._submit(batch, gen_config, adapter_name, priority, responses)
+        seen_text = [""] * len(batch)
+        seen_tokens = [0] * len(batch)
+        remaining = len(batch)
+        while remaining:
+            r: Response = responses.get()
+            i = r.index
+            text = r.text or ""
+            delta = Response(
+                text=text[len(seen_text[i]) :],
+                token_ids=r.token_ids[seen_tokens[i] :],
+                finish_reason=r.finish_reason,
+                input_token_len=r.input_token_len,
+                generate_token_len=r.generate_token_len,
+                logprobs=r.logprobs[seen_tokens[i] :] if r.logprobs is not None else None,
+                index=i,
+                error=r.error,
+                session_id=r.session_id,
+            )
+            seen_text[i], seen_tokens[i] = text, len(r.token_ids)
+            if r.finish_reason is not None:
+                remaining -= 1
+            yield delta
+
+    def __call__(
+        self,
+        prompts,
+        gen_config: GenerationConfig | list[GenerationConfig] | None = None,
+        adapter_name: str | list[str] | None = None,
+        priority: int | None = None,
+        use_tqdm: bool = False,
+    ) -> list[Response] | Response:
+        """Generate for every prompt; returns one final Response per prompt (in order), or a
+        single Response when a single prompt was given."""
+        batch, single = self._as_batch(prompts)
+        responses = new_queue()
+        self._submit(batch, gen_config, adapter_name, priority, responses)
+        finals: list[Response | None] = [None] * len(batch)
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(batch), desc="generating", unit="prompt")
+        remaining = len(batch)
+        while remaining:
+            r = responses.get()
+            if r.finish_reason is not None:
+                finals[r.index] = r
+                remaining -= 1
+                if bar is not None:
+                    bar.update(1)
+        if bar is not None:
+            bar.close()
+        return finals[0] if single else finals
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+    def close(self) -> None:
+        self.engine.close()
+
+    def __enter__(self) -> Pipeline:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def pipeline(
+    model_path: str | None = None,
+    engine_config: EngineConfig | None = None,
+    apply_chat_template: bool = True,
+) -> Pipeline:
+    """Load a model (None: the default SmolLM2-135M-Instruct) and return a Pipeline."""
+    return Pipeline(Engine.from_pretrained(model_path, engine_config), apply_chat_template)

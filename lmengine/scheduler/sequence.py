@@ -1,0 +1,59 @@
+"""A sequence: one request's tokens, how many of them are in the KV cache, and its blocks."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # admitted by nobody yet, or preempted by recompute
+    RUNNING = "running"  # holds device blocks
+    SWAPPED = "swapped"  # blocks on the host pool
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """Token state of one request. The scheduler owns it; the engine appends sampled tokens
+    through `Scheduler.update`. `gen_config` is opaque here except `max_new_tokens`."""
+
+    seq_id: int
+    session_id: int
+    token_ids: list[int]  # prompt followed by generated tokens
+    gen_config: Any
+    priority: int | None = None
+    user_id: str | None = None
+    adapter_name: str | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0  # tokens whose KV is in the cache
+    block_table: list[int] = field(default_factory=list)  # device block ids, in order
+    num_preemptions: int = 0
+    num_prompt_tokens: int = -1
+
+    def __post_init__(self) -> None:
+        if self.num_prompt_tokens < 0:
+            self.num_prompt_tokens = len(self.token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def generated_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.gen_config.max_new_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED

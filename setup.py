@@ -1,0 +1,29 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="lmengine",
+    version="0.1.0",
+    description="A research inference engine for LLMs on PyTorch and transformers",
+    packages=find_packages(include=["lmengine", "lmengine.*"]),
+    python_requires=">=3.10",
+    # NOTE: torch is pinned to a range that the CPU wheel installed first satisfies, so pip
+    # never pulls a CUDA build on top of it. transformers is pinned because the patches
+    # subclass its modules.
+    install_requires=[
+        "torch>=2.5,<2.14",
+        "transformers>=5.23,<5.24",
+        "safetensors>=0.4",
+        "accelerate>=1.0",
+        "peft>=0.13",
+        "triton>=3.0; platform_system == 'Linux'",
+        "gguf>=0.10",
+        "tqdm>=4.60",
+        "psutil>=5.9",
+        "numpy>=1.24",
+    ],
+    extras_require={
+        "serve": ["fastapi>=0.110", "uvicorn>=0.29", "openai>=1.30"],
+        "test": ["pytest>=8", "ruff>=0.6", "hypothesis>=6", "scipy>=1.10"],
+    },
+    entry_points={"console_scripts": ["lmengine=lmengine.cli:main"]},
+)

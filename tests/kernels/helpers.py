@@ -1,0 +1,62 @@
+"""Builders for paged-cache kernel tests: a dense reference scattered into a permuted block pool."""
+
+from __future__ import annotations
+
+import torch
+
+from lmengine.kernels import AttentionMetadata
+
+
+def make_paged_batch(
+    q_lens: list[int],
+    kv_lens: list[int],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    device: str = "cpu",
+):
+    """Random q and a KV cache whose blocks are handed out in a random permutation.
+
+    Returns (q [sum(q_lens), heads, dim], k_cache, v_cache, meta, dense_k, dense_v) where
+    dense_k[b] is [kv_lens[b], kv_heads, dim], the keys sequence b must see.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [(n + block_size - 1) // block_size for n in kv_lens]
+    num_blocks = sum(blocks_per_seq) + 3  # a few spare blocks that nobody owns
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=gen).to(dtype)  # garbage outside owned slots
+    v_cache = torch.randn(shape, generator=gen).to(dtype)
+    block_tables, dense_k, dense_v = [], [], []
+    for n, nb in zip(kv_lens, blocks_per_seq):
+        table, perm = perm[:nb], perm[nb:]
+        block_tables.append(table)
+        k = torch.randn(n, num_kv_heads, head_dim, generator=gen).to(dtype)
+        v = torch.randn(n, num_kv_heads, head_dim, generator=gen).to(dtype)
+        for j in range(n):
+            k_cache[table[j // block_size], j % block_size] = k[j]
+            v_cache[table[j // block_size], j % block_size] = v[j]
+        dense_k.append(k)
+        dense_v.append(v)
+    q = torch.randn(sum(q_lens), num_heads, head_dim, generator=gen).to(dtype)
+    meta = AttentionMetadata.build(block_tables, q_lens, kv_lens, block_size, device)
+    return q, k_cache, v_cache, meta, dense_k, dense_v
+
+
+def dense_causal_attention(q, dense_k, dense_v, q_lens, kv_lens, scale):
+    """Independent dense reference: per sequence, plain softmax attention in float64."""
+    out, start = [], 0
+    for b, (ql, kl) in enumerate(zip(q_lens, kv_lens)):
+        qb = q[start : start + ql].double()
+        start += ql
+        groups = qb.shape[1] // dense_k[b].shape[1]
+        k = dense_k[b].double().repeat_interleave(groups, dim=1)
+        v = dense_v[b].double().repeat_interleave(groups, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", qb, k) * scale
+        pos = torch.arange(kl - ql, kl)[:, None]
+        scores = scores.masked_fill(torch.arange(kl)[None, :] > pos, float("-inf"))
+        out.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), v))
+    return torch.cat(out)
