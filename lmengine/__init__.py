@@ -1,21 +1,32 @@
-"""lmengine: a research inference engine for LLMs on PyTorch and transformers."""
+"""lmengine: a research inference engine for LLMs on PyTorch and transformers.
+
+The public names load lazily, so that `lmengine.scheduler` (pure Python) imports without torch.
+"""
 
 from __future__ import annotations
 
-from lmengine.config import EngineConfig, GenerationConfig
-from lmengine.engine.engine import Engine
-from lmengine.engine.instance import EngineInstance
-from lmengine.engine.request import Response
-from lmengine.pipeline import Pipeline, pipeline
+import importlib
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "Engine",
-    "EngineConfig",
-    "EngineInstance",
-    "GenerationConfig",
-    "Pipeline",
-    "Response",
-    "pipeline",
-]
+_EXPORTS = {
+    "Engine": "lmengine.engine.engine",
+    "EngineConfig": "lmengine.config",
+    "EngineInstance": "lmengine.engine.instance",
+    "GenerationConfig": "lmengine.config",
+    "Pipeline": "lmengine.api",
+    "Response": "lmengine.engine.request",
+    "pipeline": "lmengine.api",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'lmengine' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

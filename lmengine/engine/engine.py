@@ -169,6 +169,10 @@ class Engine:
     def _validate(self, req: AddRequest) -> None:
         if not isinstance(req.gen_config, GenerationConfig):
             raise RequestError(f"gen_config must be a GenerationConfig, got {req.gen_config!r}")
+        try:
+            req.gen_config.__post_init__()  # NOTE: fields may have been changed since creation
+        except ValueError as e:
+            raise RequestError(f"invalid generation config: {e}") from None
         ids = req.input_ids
         if not isinstance(ids, list) or not all(
             isinstance(t, int) and not isinstance(t, bool) for t in ids

@@ -16,6 +16,14 @@ from lmengine.engine.request import AddRequest, Response, new_queue
 Prompt = str | list[dict] | list[int]
 
 
+def chat_token_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of chat messages through the tokenizer's template, ready for the reply."""
+    ids = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    return list(ids)
+
+
 class Pipeline:
     """Batch generation over an Engine; a context manager that closes the engine."""
 
@@ -37,12 +45,7 @@ class Pipeline:
         if isinstance(prompt, list) and all(isinstance(m, dict) for m in prompt):
             if not has_template:
                 raise ValueError("chat messages given but the tokenizer has no chat template")
-            ids = self.tokenizer.apply_chat_template(
-                prompt, add_generation_prompt=True, tokenize=True, return_dict=False
-            )
-            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-                ids = ids["input_ids"]
-            return list(ids)
+            return chat_token_ids(self.tokenizer, prompt)
         raise ValueError(
             f"a prompt must be a string, a list of chat messages or token ids, got {prompt!r:.80}"
         )
