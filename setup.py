@@ -23,7 +23,7 @@ setup(
     ],
     extras_require={
         "serve": ["fastapi>=0.110", "uvicorn>=0.29", "openai>=1.30"],
-        "test": ["pytest>=8", "ruff>=0.6", "hypothesis>=6", "scipy>=1.10"],
+        "test": ["pytest>=8", "ruff>=0.6"],
     },
     entry_points={"console_scripts": ["lmengine=lmengine.cli:main"]},
 )

@@ -250,7 +250,9 @@ class Engine:
                 self.tokenizer, req.input_ids, req.gen_config.skip_special_tokens
             )
         logprobs = [] if req.gen_config.logprobs is not None else None
-        self._states[req.session_id] = _RequestState(req, seq, detok, logprobs, "" if detok else None)
+        self._states[req.session_id] = _RequestState(
+            req, seq, detok, logprobs, "" if detok else None
+        )
         self.scheduler.add_sequence(seq)
 
     def _finish_session(self, session_id: int, reason: str) -> None:

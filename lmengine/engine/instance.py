@@ -49,10 +49,10 @@ class EngineInstance:
 
     def infer(self, session_id: int, input_ids: list[int], **kwargs) -> Response:
         """Run to completion and return the final Response."""
-        resp = None
-        for resp in self.stream_infer(session_id, input_ids, **kwargs):
+        final = None
+        for final in self.stream_infer(session_id, input_ids, **kwargs):  # noqa: B007
             pass
-        return resp
+        return final
 
     def cancel(self, session_id: int) -> None:
         """Stop the session's running request; its stream ends with finish_reason 'cancel'."""

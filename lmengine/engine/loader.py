@@ -130,7 +130,9 @@ def pick_dtype(dtype: str, device: torch.device, config) -> torch.dtype:
     return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
 
 
-def load_model_and_tokenizer(model_path: str | None, dtype: str, device: str, trust_remote_code=False):
+def load_model_and_tokenizer(
+    model_path: str | None, dtype: str, device: str, trust_remote_code=False
+):
     """Returns (model in eval mode on the device, tokenizer, resolved path, torch device)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 

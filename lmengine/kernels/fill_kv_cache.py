@@ -39,6 +39,7 @@ def fill_kv_cache(
 
         fill_kv_cache_triton(k, v, k_cache, v_cache, slot_mapping)
         return
+    slot_mapping = slot_mapping.long()  # index_copy_ takes int64 only
     # [num_blocks * block_size, num_kv_heads, head_dim] views share the cache storage
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)

@@ -21,8 +21,9 @@ class _GroupPlan:
     """Padded gather indices for a group of sequences (all decodes, or all prefills)."""
 
     q_index: torch.Tensor  # [num_seqs, max_q] packed token per query row (padding repeats)
-    kv_slots: torch.Tensor  # [num_seqs, max_kv] flat cache slot per key (padding -> slot 0)
-    mask: torch.Tensor  # [num_seqs, 1, max_q, max_kv] bool, True = attend
+    kv_blocks: torch.Tensor  # [num_seqs * max_blocks] block ids, row-major (padding -> 0)
+    mask: torch.Tensor  # [num_seqs, 1, max_q, max_blocks * block_size] bool, True = attend
+    is_identity: bool  # the group is every packed token, one per sequence, in order
     out_rows: torch.Tensor  # [num_valid] rows of the flattened [num_seqs * max_q] result
     out_tokens: torch.Tensor  # [num_valid] packed token index each valid row goes to
     tiled_masks: dict[int, torch.Tensor] = field(default_factory=dict)  # per GQA group size
@@ -86,26 +87,33 @@ class AttentionMetadata:
 
 
 def _plan_group(meta: AttentionMetadata, seqs: torch.Tensor) -> _GroupPlan:
+    bs = meta.block_size
     q_lens = meta.q_lens[seqs].long()  # [n]
     kv_lens = meta.kv_lens[seqs].long()  # [n]
-    max_q, max_kv = int(q_lens.max()), int(kv_lens.max())
+    max_q = int(q_lens.max())
+    max_blocks = (int(kv_lens.max()) + bs - 1) // bs
     rows = torch.arange(max_q)
     row_clamped = torch.minimum(rows[None, :], q_lens[:, None] - 1)  # [n, max_q]
     q_index = meta.q_start_loc[seqs].long()[:, None] + row_clamped
-    keys = torch.arange(max_kv)
-    blocks = meta.block_tables[seqs].long()[:, keys // meta.block_size]  # [n, max_kv]
-    kv_slots = blocks * meta.block_size + keys % meta.block_size
+    # NOTE: whole blocks are gathered (one contiguous copy each, much faster than per slot);
+    # the slots past kv_len are masked out.
+    kv_blocks = meta.block_tables[seqs, :max_blocks].long()  # [n, max_blocks]
+    keys = torch.arange(max_blocks * bs)
     # key j is visible to query i iff j <= position(i); padded rows see every real key
     last_visible = (kv_lens - q_lens)[:, None] + row_clamped  # [n, max_q]
-    mask = keys[None, None, :] <= last_visible[:, :, None]  # [n, max_q, max_kv]
+    mask = keys[None, None, :] <= last_visible[:, :, None]  # [n, max_q, max_blocks * bs]
     valid = (rows[None, :] < q_lens[:, None]).flatten()
     out_rows = valid.nonzero().flatten()
+    out_tokens = q_index.flatten()[out_rows]
+    num_tokens = int(meta.q_lens.sum())
+    is_identity = max_q == 1 and len(seqs) == num_tokens
     return _GroupPlan(
         q_index=q_index,
-        kv_slots=kv_slots,
+        kv_blocks=kv_blocks.flatten(),
         mask=mask[:, None],
         out_rows=out_rows,
-        out_tokens=q_index.flatten()[out_rows],
+        out_tokens=out_tokens,
+        is_identity=is_identity,
     )
 
 
@@ -116,8 +124,11 @@ def paged_attention_ref(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """Plain per-sequence reference. q: [num_tokens, num_heads, head_dim];
-    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim] -> [num_tokens, num_heads, head_dim]."""
+    """Plain per-sequence reference.
+
+    q: [num_tokens, num_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size,
+    num_kv_heads, head_dim] -> [num_tokens, num_heads, head_dim].
+    """
     out = torch.empty_like(q)
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
     bs = k_cache.shape[1]
@@ -148,26 +159,31 @@ def paged_attention_cpu(
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group_size = num_heads // num_kv_heads
-    k_flat = k_cache.view(-1, num_kv_heads, head_dim)  # [num_slots, num_kv_heads, head_dim]
-    v_flat = v_cache.view(-1, num_kv_heads, head_dim)
-    out = torch.empty_like(q)
+    out = None
     for plan in meta.groups:
         n, max_q = plan.q_index.shape
         # [n, max_q, kv_heads, g, d] -> [n, kv_heads, g * max_q, d]
-        qg = q[plan.q_index].view(n, max_q, num_kv_heads, group_size, head_dim)
+        qg = q if plan.is_identity else q[plan.q_index]
+        qg = qg.view(n, max_q, num_kv_heads, group_size, head_dim)
         qg = qg.permute(0, 2, 3, 1, 4).reshape(n, num_kv_heads, group_size * max_q, head_dim)
-        kg = k_flat[plan.kv_slots].transpose(1, 2)  # [n, kv_heads, max_kv, d]
-        vg = v_flat[plan.kv_slots].transpose(1, 2)
+        # [n * max_blocks, block_size, kv_heads, d] -> [n, kv_heads, max_blocks * block_size, d]
+        kg = k_cache.index_select(0, plan.kv_blocks).view(n, -1, num_kv_heads, head_dim)
+        vg = v_cache.index_select(0, plan.kv_blocks).view(n, -1, num_kv_heads, head_dim)
         res = F.scaled_dot_product_attention(
-            qg, kg, vg, attn_mask=plan.mask_for(group_size), scale=scale
+            qg,
+            kg.transpose(1, 2),
+            vg.transpose(1, 2),
+            attn_mask=plan.mask_for(group_size),
+            scale=scale,
         )
         # [n, kv_heads, g, max_q, d] -> [n * max_q, heads, d]
         res = res.view(n, num_kv_heads, group_size, max_q, head_dim).permute(0, 3, 1, 2, 4)
         res = res.reshape(n * max_q, num_heads, head_dim)
-        if max_q == 1:
-            out[plan.out_tokens] = res
-        else:
-            out[plan.out_tokens] = res[plan.out_rows]
+        if plan.is_identity:
+            return res
+        if out is None:
+            out = torch.empty_like(q)
+        out[plan.out_tokens] = res if max_q == 1 else res[plan.out_rows]
     return out
 
 
@@ -181,7 +197,8 @@ def paged_attention(
     """q: [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, head_dim]."""
     if q.shape[1] % k_cache.shape[2] != 0:
         raise ValueError(
-            f"paged_attention: {q.shape[1]} query heads not a multiple of {k_cache.shape[2]} KV heads"
+            f"paged_attention: {q.shape[1]} query heads not a multiple of "
+            f"{k_cache.shape[2]} KV heads"
         )
     if q.is_cuda:
         from lmengine.kernels.triton.paged_attention import paged_attention_triton

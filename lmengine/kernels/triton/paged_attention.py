@@ -1,0 +1,250 @@
+"""Triton varlen causal attention over the paged KV cache (prefill chunks and decode together).
+
+Layouts: q, out: [num_tokens, num_heads, head_dim] packed over sequences; k_cache, v_cache:
+[num_blocks, block_size, num_kv_heads, head_dim]; per-sequence metadata from AttentionMetadata
+(block_tables [num_seqs, max_blocks] int32, q_start_loc / q_lens / kv_lens [num_seqs] int32).
+Query i of sequence b sits at position kv_lens[b] - q_lens[b] + i and sees keys 0..position.
+
+Grid: (sequence, query block, kv head). A program owns BLOCK_Q consecutive queries of one
+sequence and the GROUP_SIZE query heads that share one KV head, packed as the BLOCK_M rows of
+one tile (row = query * GROUP_SIZE + head in group), so each K/V tile read through the block
+table serves the whole GQA group; a decode step fills GROUP_SIZE rows instead of one. It loops
+over keys in tiles of BLOCK_N with an online (flash-attention) softmax in float32; QK^T and PV
+use tl.dot. head_dim is padded to the power of two HEAD_DIM (>= 16) with masks.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import triton
+import triton.language as tl
+
+if TYPE_CHECKING:
+    from lmengine.kernels.paged_attention import AttentionMetadata
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr,  # [num_tokens, num_heads, head_dim]
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    out_ptr,  # [num_tokens, num_heads, head_dim]
+    block_tables_ptr,  # [num_seqs, max_num_blocks] int32
+    q_start_loc_ptr,  # [num_seqs] int32
+    q_lens_ptr,  # [num_seqs] int32
+    kv_lens_ptr,  # [num_seqs] int32
+    qk_scale,  # softmax scale * log2(e): scores are exponentiated with exp2
+    stride_q_t,
+    stride_q_h,
+    stride_k_cache_b,
+    stride_k_cache_s,
+    stride_k_cache_h,
+    stride_v_cache_b,
+    stride_v_cache_s,
+    stride_v_cache_h,
+    stride_out_t,
+    stride_out_h,
+    stride_block_tables_b,
+    head_dim,
+    PAGE_SIZE: tl.constexpr,  # cache block size (tokens per block)
+    GROUP_SIZE: tl.constexpr,  # query heads per kv head
+    BLOCK_Q: tl.constexpr,  # queries per program, BLOCK_M // GROUP_SIZE
+    BLOCK_M: tl.constexpr,  # rows of the query tile
+    BLOCK_N: tl.constexpr,  # keys per tile
+    HEAD_DIM: tl.constexpr,  # head_dim padded to a power of two >= 16
+    IEEE_DOT: tl.constexpr,  # float32 inputs: full-precision dot instead of tf32
+):
+    seq = tl.program_id(0)
+    q_block = tl.program_id(1)
+    kv_head = tl.program_id(2)
+
+    q_len = tl.load(q_lens_ptr + seq)
+    q_first = q_block * BLOCK_Q  # first query (index within the sequence) of this program
+    if q_first >= q_len:
+        return
+    kv_len = tl.load(kv_lens_ptr + seq)
+    q_start = tl.load(q_start_loc_ptr + seq)
+    history = kv_len - q_len  # cached keys before this step's first query
+
+    offs_m = tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    q_idx = q_first + offs_m // GROUP_SIZE  # [BLOCK_M] query index within the sequence
+    head = kv_head * GROUP_SIZE + offs_m % GROUP_SIZE  # [BLOCK_M] query head
+    row_valid = (offs_m < BLOCK_Q * GROUP_SIZE) & (q_idx < q_len)  # [BLOCK_M]
+    q_pos = history + q_idx  # [BLOCK_M] position of each row's query; it sees keys <= q_pos
+    token = (q_start + q_idx).to(tl.int64)  # [BLOCK_M] packed token index
+    offs_d = tl.arange(0, HEAD_DIM)  # [HEAD_DIM]
+    d_valid = offs_d < head_dim  # [HEAD_DIM]
+
+    q_mask = row_valid[:, None] & d_valid[None, :]  # [BLOCK_M, HEAD_DIM]
+    q_ptrs = q_ptr + token[:, None] * stride_q_t + head[:, None] * stride_q_h + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=q_mask, other=0.0)  # [BLOCK_M, HEAD_DIM]
+
+    # running max (finite start so fully masked padding rows never produce NaN), sum, output
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)  # [BLOCK_M]
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # [BLOCK_M]
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)  # [BLOCK_M, HEAD_DIM]
+
+    # keys past the last query of this program are invisible to every row
+    kv_end = tl.minimum(kv_len, history + q_first + BLOCK_Q)
+    offs_n = tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_block_tables_b
+    k_head_ptr = k_cache_ptr + kv_head * stride_k_cache_h
+    v_head_ptr = v_cache_ptr + kv_head * stride_v_cache_h
+    for start_n in range(0, kv_end, BLOCK_N):
+        kv_idx = start_n + offs_n  # [BLOCK_N] key position
+        kv_valid = kv_idx < kv_end  # [BLOCK_N]
+        page = tl.load(table_ptr + kv_idx // PAGE_SIZE, mask=kv_valid, other=0).to(tl.int64)
+        in_page = kv_idx % PAGE_SIZE  # [BLOCK_N]
+
+        k_offs = page * stride_k_cache_b + in_page * stride_k_cache_s  # [BLOCK_N]
+        k_mask = d_valid[:, None] & kv_valid[None, :]  # [HEAD_DIM, BLOCK_N]
+        k = tl.load(k_head_ptr + k_offs[None, :] + offs_d[:, None], mask=k_mask, other=0.0)
+        # k: [HEAD_DIM, BLOCK_N]
+        if IEEE_DOT:
+            s = tl.dot(q, k, input_precision="ieee")  # [BLOCK_M, BLOCK_N]
+        else:
+            s = tl.dot(q, k)
+        visible = kv_valid[None, :] & (kv_idx[None, :] <= q_pos[:, None])  # [BLOCK_M, BLOCK_N]
+        s = tl.where(visible, s * qk_scale, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # [BLOCK_M]
+        alpha = tl.exp2(m_i - m_new)  # [BLOCK_M] rescales the old sum and accumulator
+        p = tl.exp2(s - m_new[:, None])  # [BLOCK_M, BLOCK_N]
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+
+        v_offs = page * stride_v_cache_b + in_page * stride_v_cache_s  # [BLOCK_N]
+        v_mask = kv_valid[:, None] & d_valid[None, :]  # [BLOCK_N, HEAD_DIM]
+        v = tl.load(v_head_ptr + v_offs[:, None] + offs_d[None, :], mask=v_mask, other=0.0)
+        # v: [BLOCK_N, HEAD_DIM]
+        if IEEE_DOT:
+            pv = tl.dot(p, v, input_precision="ieee")  # [BLOCK_M, HEAD_DIM]
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)  # padding rows only; every real row sees key 0
+    out = acc / l_safe[:, None]  # [BLOCK_M, HEAD_DIM]
+    out_ptrs = (
+        out_ptr + token[:, None] * stride_out_t + head[:, None] * stride_out_h + offs_d[None, :]
+    )
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+
+
+def _check(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
+) -> None:
+    op = "paged_attention_triton"
+    if q.dim() != 3:
+        raise ValueError(f"{op}: q must be [num_tokens, num_heads, head_dim], got {tuple(q.shape)}")
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(
+            f"{op}: k_cache and v_cache must both be [num_blocks, block_size, num_kv_heads, "
+            f"head_dim], got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    if k_cache.shape[3] != head_dim:
+        raise ValueError(f"{op}: cache head_dim {k_cache.shape[3]} != q head_dim {head_dim}")
+    if num_kv_heads == 0 or num_heads % num_kv_heads != 0:
+        raise ValueError(f"{op}: {num_heads} query heads not a multiple of {num_kv_heads} KV heads")
+    if k_cache.shape[1] != meta.block_size:
+        raise ValueError(
+            f"{op}: cache block size {k_cache.shape[1]} != metadata block_size {meta.block_size}"
+        )
+    if q.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"{op}: q must be float16, bfloat16 or float32, got {q.dtype}")
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dtype != q.dtype:
+            raise ValueError(f"{op}: {name} dtype {t.dtype} differs from q dtype {q.dtype}")
+        if t.stride(-1) != 1:
+            raise ValueError(f"{op}: {name} must have a contiguous last dimension")
+        if t.device != q.device:
+            raise ValueError(f"{op}: {name} is on {t.device} but q is on {q.device}")
+    num_seqs = meta.q_lens.shape[0]
+    if meta.block_tables.dim() != 2 or meta.block_tables.shape[0] != num_seqs:
+        raise ValueError(
+            f"{op}: block_tables must be [{num_seqs}, max_num_blocks], got "
+            f"{tuple(meta.block_tables.shape)}"
+        )
+    if meta.block_tables.stride(1) != 1:
+        raise ValueError(f"{op}: block_tables must have a contiguous last dimension")
+    for name in ("block_tables", "q_start_loc", "q_lens", "kv_lens"):
+        t = getattr(meta, name)
+        if t.dtype != torch.int32:
+            raise ValueError(f"{op}: meta.{name} must be int32, got {t.dtype}")
+        if t.device != q.device:
+            raise ValueError(
+                f"{op}: meta.{name} is on {t.device} but q is on {q.device}; build the "
+                "metadata for the device of q"
+            )
+        if name != "block_tables" and (t.shape != (num_seqs,) or not t.is_contiguous()):
+            raise ValueError(f"{op}: meta.{name} must be a contiguous [{num_seqs}] tensor")
+
+
+def _block_sizes(max_q_len: int, group_size: int, head_dim_padded: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_Q, BLOCK_N): rows cover whole GQA groups; tl.dot needs every dim >= 16."""
+    rows = max_q_len * group_size
+    block_m = max(16, triton.next_power_of_2(group_size), min(64, triton.next_power_of_2(rows)))
+    block_n = 64 if head_dim_padded <= 128 else 32
+    return block_m, block_m // group_size, block_n
+
+
+def paged_attention_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """q: [num_tokens, num_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size,
+    num_kv_heads, head_dim], already holding this step's keys.
+    Returns a new [num_tokens, num_heads, head_dim] tensor."""
+    _check(q, k_cache, v_cache, meta)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    num_seqs = meta.q_lens.shape[0]
+    if q.shape[0] == 0 or num_seqs == 0 or meta.max_q_len == 0:
+        return out
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    group_size = num_heads // num_kv_heads
+    head_dim_padded = max(16, triton.next_power_of_2(head_dim))
+    block_m, block_q, block_n = _block_sizes(meta.max_q_len, group_size, head_dim_padded)
+    grid = (num_seqs, triton.cdiv(meta.max_q_len, block_q), num_kv_heads)
+    _paged_attention_kernel[grid](
+        q,
+        k_cache,
+        v_cache,
+        out,
+        meta.block_tables,
+        meta.q_start_loc,
+        meta.q_lens,
+        meta.kv_lens,
+        float(scale) * _LOG2E,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        out.stride(0),
+        out.stride(1),
+        meta.block_tables.stride(0),
+        head_dim,
+        PAGE_SIZE=meta.block_size,
+        GROUP_SIZE=group_size,
+        BLOCK_Q=block_q,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        HEAD_DIM=head_dim_padded,
+        IEEE_DOT=q.dtype == torch.float32,
+        num_warps=4,
+    )
+    return out

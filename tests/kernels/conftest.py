@@ -1,0 +1,43 @@
+"""Kernel-test setup: run Triton kernels with the interpreter on CPU unless told otherwise.
+
+TRITON_INTERPRET must be in the environment before triton is imported (and before the kernel
+modules are: `triton.jit` picks the interpreter when it decorates), so it is set here, at
+conftest import time; the tests import the launchers inside the test functions. Set
+TRITON_INTERPRET=0 to run the Triton tests on a CUDA device instead.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+# NOTE: before anything imports triton (torch does not import it at module import)
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def _triton_interpret() -> bool:
+    """Whether triton runs kernels in its interpreter; skips the test if triton is missing."""
+    try:
+        import triton
+    except ImportError as exc:
+        pytest.skip(f"triton cannot be imported ({type(exc).__name__}: {exc})")
+    return bool(triton.knobs.runtime.interpret)
+
+
+@pytest.fixture(scope="session")
+def triton_device() -> str:
+    """Device for Triton-launcher tests: "cpu" under the interpreter, else "cuda"."""
+    if _triton_interpret():
+        return "cpu"
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("TRITON_INTERPRET is off and no CUDA device is available")
+    return "cuda"
+
+
+@pytest.fixture(scope="session")
+def triton_interpreted(triton_device: str) -> bool:
+    """True when the Triton kernels run in the interpreter (CPU tensors)."""
+    return triton_device == "cpu"
