@@ -16,6 +16,7 @@ MODULE_MAP: dict[str, str] = {
     f"{_LLAMA}.LlamaModel": f"{_PATCH}.PatchedLlamaModel",
     f"{_LLAMA}.LlamaDecoderLayer": f"{_PATCH}.PatchedLlamaDecoderLayer",
     f"{_LLAMA}.LlamaAttention": f"{_PATCH}.PatchedLlamaAttention",
+    f"{_LLAMA}.LlamaMLP": f"{_PATCH}.PatchedLlamaMLP",
     f"{_LLAMA}.LlamaRMSNorm": f"{_PATCH}.PatchedRMSNorm",
 }
 

@@ -25,7 +25,8 @@ def supported_architectures(module_map: dict[str, str] | None = None) -> list[st
 
 
 def patch(model: nn.Module, extra_map: dict[str, str] | None = None) -> nn.Module:
-    """Patch `model` in place and return it.
+    """Patch `model` in place and return it. Patched classes may define
+    `lmengine_post_patch()`, called once after all swaps (to fuse or shard weights).
 
     Raises ValueError for an architecture without a patch: running it unpatched would
     silently ignore the paged KV cache.
@@ -45,4 +46,9 @@ def patch(model: nn.Module, extra_map: dict[str, str] | None = None) -> nn.Modul
             if not issubclass(cls, type(module)):
                 raise TypeError(f"{target} must subclass {qualname(type(module))}")
             module.__class__ = cls
+    # NOTE: after every class is swapped, so a hook may rely on its children being patched.
+    for module in model.modules():
+        hook = getattr(module, "lmengine_post_patch", None)
+        if hook is not None:
+            hook()
     return model
