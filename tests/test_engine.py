@@ -127,9 +127,7 @@ def test_stop_words_cut_the_text(engine):
     assert word
     cut = free.text.index(word)
     responses = list(
-        inst.stream_infer(
-            500, p, gen_config=GenerationConfig(max_new_tokens=20, stop_words=[word])
-        )
+        inst.stream_infer(500, p, gen_config=GenerationConfig(max_new_tokens=20, stop_words=[word]))
     )
     final = responses[-1]
     assert final.finish_reason == "stop" and final.text == free.text[:cut]

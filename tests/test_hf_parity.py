@@ -58,7 +58,11 @@ def test_tiny_llama_few_threads_staggered(tiny_case):
     engine = Engine.from_pretrained(path, EngineConfig(block_size=4, num_gpu_blocks=60))
     try:
         got = run_threads(
-            engine, prompts, GenerationConfig(max_new_tokens=TINY_NEW), num_threads=3, stagger_s=0.05
+            engine,
+            prompts,
+            GenerationConfig(max_new_tokens=TINY_NEW),
+            num_threads=3,
+            stagger_s=0.05,
         )
         assert [r.token_ids for r in got] == expected
         engine.check_integrity()

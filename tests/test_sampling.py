@@ -60,7 +60,9 @@ def test_repetition_penalty_matches_transformers():
     histories = [[3, 7, 7, 12], [0, 49, 5]]
     cfg = GenerationConfig(repetition_penalty=1.3)
     sampler = Sampler([], torch.device("cpu"))
-    ours = sampler._apply_penalties(logits.clone(), [seq(i, cfg, h) for i, h in enumerate(histories)])
+    ours = sampler._apply_penalties(
+        logits.clone(), [seq(i, cfg, h) for i, h in enumerate(histories)]
+    )
     proc = RepetitionPenaltyLogitsProcessor(1.3)
     for i, h in enumerate(histories):
         ref = proc(torch.tensor([h]), logits[i : i + 1].clone())
@@ -119,16 +121,19 @@ def test_top_k_1_equals_greedy(engine):
     prompts = random_prompts([9, 25], engine.info.vocab_size, seed=4)
     greedy = run_threads(engine, prompts, GenerationConfig(max_new_tokens=12))
     topk1 = run_threads(
-        engine, prompts, GenerationConfig(max_new_tokens=12, do_sample=True, top_k=1, temperature=2.0)
+        engine,
+        prompts,
+        GenerationConfig(max_new_tokens=12, do_sample=True, top_k=1, temperature=2.0),
     )
     assert [r.token_ids for r in greedy] == [r.token_ids for r in topk1]
 
 
 def test_engine_logprobs(engine):
     p = random_prompts([6], engine.info.vocab_size, seed=5)[0]
-    r = engine.create_instance().infer(1, p, gen_config=GenerationConfig(max_new_tokens=5, logprobs=3))
+    r = engine.create_instance().infer(
+        1, p, gen_config=GenerationConfig(max_new_tokens=5, logprobs=3)
+    )
     assert len(r.logprobs) == 5
     for tok, lp in zip(r.token_ids, r.logprobs):
         assert tok in lp and len(lp) >= 3
         assert lp[tok] == max(lp.values())  # greedy picks the most likely token
-

@@ -149,7 +149,7 @@ def test_random_workload_keeps_integrity_and_finishes(seed):
     pending = [make_seq(i, rng.randint(1, 20), arrival=i) for i in range(20)]
     limits = {q.seq_id: rng.randint(1, 10) for q in pending}
     done = set()
-    for step in range(2000):
+    for _step in range(2000):
         if pending and rng.random() < 0.3:
             s.add_sequence(pending.pop(0))
         if rng.random() < 0.05 and s.running:

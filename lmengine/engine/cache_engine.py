@@ -41,6 +41,22 @@ def derive_num_blocks(spec: CacheSpec, device: torch.device, fraction: float) ->
     return int(free_memory_bytes(device) * fraction // spec.block_bytes)
 
 
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero-filled cache tensor.
+
+    NOTE: zeros, not empty: padded attention multiplies masked slots by 0, and a NaN bit
+    pattern from uninitialised memory would survive that. On CPU, numpy's calloc maps zero
+    pages lazily, so a pool of several GB costs nothing until blocks are used.
+    """
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    import numpy as np
+
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    raw = np.zeros(shape, dtype={2: np.uint16, 4: np.uint32, 1: np.uint8}[itemsize])
+    return torch.from_numpy(raw).view(dtype)
+
+
 class CacheEngine:
     """Per-layer K and V tensors, [num_blocks, block_size, num_kv_heads, head_dim]."""
 
@@ -52,12 +68,10 @@ class CacheEngine:
         self.num_gpu_blocks = num_gpu_blocks
         self.num_cpu_blocks = num_cpu_blocks
         shape = (spec.block_size, spec.num_kv_heads, spec.head_dim)
-        # NOTE: zeros, not empty: padded attention reads multiply masked slots by 0, and a
-        # NaN bit pattern from uninitialised memory would survive that multiplication.
         self.kv_caches = [
             (
-                torch.zeros(num_gpu_blocks, *shape, dtype=spec.dtype, device=device),
-                torch.zeros(num_gpu_blocks, *shape, dtype=spec.dtype, device=device),
+                _zeros((num_gpu_blocks, *shape), spec.dtype, device),
+                _zeros((num_gpu_blocks, *shape), spec.dtype, device),
             )
             for _ in range(spec.num_layers)
         ]

@@ -100,9 +100,16 @@ class Engine:
             max_prefill_token_num=cfg.max_prefill_token_num,
         )
         # NOTE: a sequence can never outgrow the whole KV pool, so cap its length there.
-        self.session_len = min(
-            cfg.session_len or self.info.max_position_embeddings, num_blocks * cfg.block_size
-        )
+        wanted = cfg.session_len or self.info.max_position_embeddings
+        self.session_len = min(wanted, num_blocks * cfg.block_size)
+        if self.session_len < wanted:
+            logger.warning(
+                "session_len lowered from %d to %d tokens: the KV pool holds %d blocks of %d",
+                wanted,
+                self.session_len,
+                num_blocks,
+                cfg.block_size,
+            )
         self.request_manager = RequestManager(self._validate)
         self._states: dict[int, _RequestState] = {}  # session_id -> running request
         self._seq_ids = itertools.count()

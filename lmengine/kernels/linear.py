@@ -3,8 +3,9 @@
 Measured on this project's 2-core CPU, float32, weights streamed from memory as in a real
 forward: oneDNN on pre-packed weights runs the GEMMs of a 64-token decode step 1.5x faster than
 the default (MKL) path and those of a 16-token step 3x faster; for one token (a GEMV) MKL is
-~20 % faster, and from ~1k rows (large prefills) MKL wins again, so those keep using it. Elsewhere (CUDA, other dtypes, a torch without
-oneDNN) `linear` is `F.linear`. The reference is `F.linear` itself.
+~20 % faster, and from ~1k rows (large prefills) MKL wins again, so those keep using it.
+Elsewhere (CUDA, other dtypes, a torch without oneDNN) `linear` is `F.linear`, which is also
+the reference.
 """
 
 from __future__ import annotations

@@ -97,6 +97,8 @@ class Scheduler:
         live = self.sessions.get(seq.session_id)
         if live is not None and seq in live:
             live.remove(seq)
+            if not live:  # NOTE: forget idle sessions, or every request would leave a key
+                del self.sessions[seq.session_id]
 
     def end_session(self, session_id: int) -> list[Sequence]:
         """Abort every live sequence of the session and forget it; returns the aborted ones."""

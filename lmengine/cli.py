@@ -1,0 +1,246 @@
+"""The `lmengine` command: generate, chat, bench.
+
+Engine and generation flags are generated from the `EngineConfig` and `GenerationConfig`
+dataclasses (help text from their field comments), so the flags and the configs never drift.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import inspect
+import json
+import re
+import sys
+import time
+from pathlib import Path
+
+from lmengine.config import EngineConfig, GenerationConfig
+
+_SKIP = {"extra"}
+_GEN_DEFAULTS = {"max_new_tokens": 256}  # the CLI's own default, shorter than the API's
+
+
+def _field_help(cls) -> dict[str, str]:
+    """`name: type = default  # help` comments of a dataclass, by field name."""
+    helps = {}
+    for line in inspect.getsource(cls).splitlines():
+        m = re.match(r"\s+(\w+):[^#]*=[^#]*#\s*(.+)$", line)
+        if m:
+            helps[m.group(1)] = m.group(2).strip()
+    return helps
+
+
+def _parse_mapping(items: list[str]) -> dict[str, str]:
+    out = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep:
+            raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {item!r}")
+        out[name] = value
+    return out
+
+
+def add_dataclass_flags(parser: argparse.ArgumentParser, cls, title: str, defaults=None) -> None:
+    """One flag per dataclass field, `--field-name`, typed from the annotation."""
+    group = parser.add_argument_group(title)
+    helps = _field_help(cls)
+    defaults = defaults or {}
+    for f in dataclasses.fields(cls):
+        if f.name in _SKIP:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        ann = str(f.type)
+        default = defaults.get(f.name, f.default)
+        text = helps.get(f.name, "")
+        text = f"{text} (default: {default})" if text else f"default: {default}"
+        kwargs = dict(dest=f"{cls.__name__}.{f.name}", default=None, help=text)
+        if ann.startswith("bool"):
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, **kwargs)
+        elif ann.startswith("list[int]"):
+            group.add_argument(flag, nargs="+", type=int, metavar="ID", **kwargs)
+        elif ann.startswith("list[str]"):
+            group.add_argument(flag, nargs="+", metavar="TEXT", **kwargs)
+        elif ann.startswith("dict"):
+            group.add_argument(flag, nargs="+", metavar="NAME=PATH", **kwargs)
+        elif ann.startswith("int"):
+            group.add_argument(flag, type=int, **kwargs)
+        elif ann.startswith("float"):
+            group.add_argument(flag, type=float, **kwargs)
+        else:
+            group.add_argument(flag, type=str, **kwargs)
+
+
+def build_dataclass(cls, args: argparse.Namespace, defaults=None):
+    """The dataclass from parsed flags; unset flags keep the dataclass (or given) defaults."""
+    values = dict(defaults or {})
+    prefix = cls.__name__ + "."
+    for key, value in vars(args).items():
+        if key.startswith(prefix) and value is not None:
+            name = key[len(prefix) :]
+            if isinstance(value, list) and str(
+                next(f.type for f in dataclasses.fields(cls) if f.name == name)
+            ).startswith("dict"):
+                value = _parse_mapping(value)
+            values[name] = value
+    return cls(**values)
+
+
+def _add_model_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model",
+        default=None,
+        help="checkpoint folder, hub id or .gguf file (default: SmolLM2-135M-Instruct)",
+    )
+    add_dataclass_flags(p, EngineConfig, "engine options")
+
+
+def _read_prompts(args) -> list[str]:
+    prompts = list(args.prompts)
+    if args.prompt_file:
+        lines = Path(args.prompt_file).read_text(encoding="utf-8").splitlines()
+        prompts += [line for line in lines if line.strip()]
+    if not prompts:
+        raise SystemExit("lmengine generate: give prompts as arguments or --prompt-file FILE")
+    return prompts
+
+
+def cmd_generate(args) -> int:
+    from lmengine.api import pipeline
+
+    prompts = _read_prompts(args)
+    engine_config = build_dataclass(EngineConfig, args)
+    gen_config = build_dataclass(GenerationConfig, args, _GEN_DEFAULTS)
+    t0 = time.perf_counter()
+    with pipeline(args.model, engine_config, apply_chat_template=not args.no_chat_template) as pipe:
+        load_s = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        outs = pipe(prompts, gen_config=gen_config, use_tqdm=not args.quiet)
+        gen_s = time.perf_counter() - t1
+    sink = open(args.jsonl, "w", encoding="utf-8") if args.jsonl else None
+    for i, (prompt, out) in enumerate(zip(prompts, outs)):
+        if sink is not None:
+            record = {
+                "index": i,
+                "prompt": prompt,
+                "text": out.text,
+                "token_ids": out.token_ids,
+                "finish_reason": out.finish_reason,
+                "input_token_len": out.input_token_len,
+                "generate_token_len": out.generate_token_len,
+                "error": out.error,
+            }
+            if out.logprobs is not None:
+                record["logprobs"] = [{str(k): v for k, v in d.items()} for d in out.logprobs]
+            sink.write(json.dumps(record, ensure_ascii=False) + "\n")
+        if not args.quiet:
+            body = out.text if out.finish_reason != "error" else f"[error] {out.error}"
+            print(f"\n### [{i}] {prompt}\n{body}")
+    if sink is not None:
+        sink.close()
+    num_out = sum(o.generate_token_len for o in outs)
+    num_in = sum(o.input_token_len for o in outs)
+    print(
+        f"\n{len(outs)} prompts, {num_in} prompt tokens, {num_out} generated tokens in "
+        f"{gen_s:.1f} s: {num_out / gen_s:.1f} output tokens/s "
+        f"({(num_in + num_out) / gen_s:.1f} total tokens/s; model load {load_s:.1f} s)",
+        file=sys.stderr,
+    )
+    return 1 if any(o.finish_reason == "error" for o in outs) else 0
+
+
+def cmd_chat(args) -> int:
+    from lmengine.api import pipeline
+
+    engine_config = build_dataclass(EngineConfig, args)
+    gen_config = build_dataclass(GenerationConfig, args, _GEN_DEFAULTS)
+    history: list[dict] = []
+    if args.system:
+        history.append({"role": "system", "content": args.system})
+    interactive = sys.stdin.isatty()
+    with pipeline(args.model, engine_config) as pipe:
+        if interactive:
+            print("lmengine chat: type a message; '/reset' clears the history, '/exit' quits.")
+        while True:
+            if interactive:
+                print("\nuser> ", end="", flush=True)
+            line = sys.stdin.readline()
+            if not line:
+                break
+            message = line.strip()
+            if not message:
+                continue
+            if message in ("/exit", "/quit", "exit", "quit"):
+                break
+            if message == "/reset":
+                history = history[:1] if args.system else []
+                print("(history cleared)")
+                continue
+            history.append({"role": "user", "content": message})
+            print("assistant> ", end="", flush=True)
+            reply, reason = "", None
+            for delta in pipe.stream_infer([history], gen_config=gen_config):
+                print(delta.text, end="", flush=True)
+                reply += delta.text
+                reason = delta.finish_reason
+                if delta.error:
+                    print(f"[error] {delta.error}", end="")
+            print()
+            if reason == "error":
+                history.pop()
+            else:
+                history.append({"role": "assistant", "content": reply})
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from lmengine.bench import run_benchmarks
+
+    return run_benchmarks(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="lmengine", description="lmengine: LLM inference on PyTorch and transformers"
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="offline batch generation over prompts")
+    gen.add_argument("prompts", nargs="*", help="prompts (each one user turn of the chat)")
+    gen.add_argument("--prompt-file", help="a file with one prompt per line")
+    gen.add_argument("--jsonl", help="also write one JSON object per prompt to this file")
+    gen.add_argument("--quiet", action="store_true", help="no progress bar, no answers printed")
+    gen.add_argument(
+        "--no-chat-template", action="store_true", help="send prompts raw, without the template"
+    )
+    _add_model_flags(gen)
+    add_dataclass_flags(gen, GenerationConfig, "generation options", _GEN_DEFAULTS)
+    gen.set_defaults(func=cmd_generate)
+
+    chat = sub.add_parser("chat", help="interactive multi-turn chat, streaming")
+    chat.add_argument("--system", help="a system prompt")
+    _add_model_flags(chat)
+    add_dataclass_flags(chat, GenerationConfig, "generation options", _GEN_DEFAULTS)
+    chat.set_defaults(func=cmd_chat)
+
+    bench = sub.add_parser(
+        "bench", help="throughput against transformers, in one run (benchmarks/throughput.py)"
+    )
+    from lmengine.bench import add_bench_flags
+
+    add_bench_flags(bench)
+    bench.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as e:  # bad flag values: one clear line, not a traceback
+        print(f"lmengine {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
