@@ -42,6 +42,7 @@ class ModelAgent:
         if num_gpu_blocks < 1:
             raise ValueError("no memory left for even one KV block: lower the model size")
         self.cache_engine = CacheEngine(spec, num_gpu_blocks, engine_config.num_cpu_blocks, device)
+        self.kv_token_bytes = spec.block_bytes // (spec.num_layers * spec.block_size)
         self.sampler = Sampler(info.eos_token_ids, device)
 
     @property
@@ -63,7 +64,7 @@ class ModelAgent:
         offset = torch.arange(int(q_lens_t.sum())) - first_token[seq_of_token]
         positions = torch.tensor(starts)[seq_of_token] + offset  # [T]
         meta = AttentionMetadata.build(
-            [it.block_table for it in items], q_lens, kv_lens, bs, self.device
+            [it.block_table for it in items], q_lens, kv_lens, bs, self.device, self.kv_token_bytes
         )
         # flat cache slot of every packed token
         slot_mapping = (

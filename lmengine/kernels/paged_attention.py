@@ -26,13 +26,18 @@ class _GroupPlan:
     is_identity: bool  # the group is every packed token, one per sequence, in order
     out_rows: torch.Tensor  # [num_valid] rows of the flattened [num_seqs * max_q] result
     out_tokens: torch.Tensor  # [num_valid] packed token index each valid row goes to
-    tiled_masks: dict[int, torch.Tensor] = field(default_factory=dict)  # per GQA group size
+    tiled_masks: dict[tuple, torch.Tensor] = field(default_factory=dict)  # per (g, dtype)
 
-    def mask_for(self, group_size: int) -> torch.Tensor:
-        """Mask for query rows ordered (head-in-group, query): [num_seqs, 1, g*max_q, max_kv]."""
-        if group_size not in self.tiled_masks:
-            self.tiled_masks[group_size] = self.mask.repeat(1, 1, group_size, 1)
-        return self.tiled_masks[group_size]
+    def mask_for(self, group_size: int, dtype: torch.dtype) -> torch.Tensor:
+        """Additive mask (0 or -inf) for query rows ordered (head-in-group, query):
+        [num_seqs, 1, g * max_q, max_kv]. Built once per step, not once per layer: SDPA
+        would otherwise convert a boolean mask in every call."""
+        key = (group_size, dtype)
+        if key not in self.tiled_masks:
+            additive = torch.zeros(self.mask.shape, dtype=dtype)
+            additive.masked_fill_(~self.mask, float("-inf"))
+            self.tiled_masks[key] = additive.repeat(1, 1, group_size, 1)
+        return self.tiled_masks[key]
 
 
 @dataclass
@@ -56,7 +61,10 @@ class AttentionMetadata:
         kv_lens: list[int],
         block_size: int,
         device: torch.device | str = "cpu",
+        kv_token_bytes: int = 0,
     ) -> AttentionMetadata:
+        """`kv_token_bytes` (K + V bytes of one token in one layer) lets the CPU plan split
+        a group so that the KV it gathers stays in the last-level cache."""
         num_seqs = len(q_lens)
         width = max(len(t) for t in block_tables)
         table = torch.zeros(num_seqs, width, dtype=torch.int32)
@@ -78,12 +86,31 @@ class AttentionMetadata:
         if torch.device(device).type == "cpu":
             is_decode = q_lens_t == 1
             for sel in (is_decode, ~is_decode):
-                if bool(sel.any()):
-                    meta.groups.append(_plan_group(meta, sel.nonzero().flatten()))
+                seqs = sel.nonzero().flatten()
+                for chunk in _cache_sized_chunks(seqs, kv_lens_t, block_size, kv_token_bytes):
+                    meta.groups.append(_plan_group(meta, chunk))
         else:
             for name in ("block_tables", "q_start_loc", "q_lens", "kv_lens"):
                 setattr(meta, name, getattr(meta, name).to(device, non_blocking=True))
         return meta
+
+
+# NOTE: measured on a 36 MB L3: gathering 31 MB of K/V for 64 decodes at once made attention
+# 2.8x slower than four gathers of 8 MB; 16 MB groups lose nothing at shorter contexts.
+_GATHER_BUDGET_BYTES = 16 << 20
+
+
+def _cache_sized_chunks(
+    seqs: torch.Tensor, kv_lens: torch.Tensor, block_size: int, kv_token_bytes: int
+) -> list[torch.Tensor]:
+    """Split `seqs` into runs whose padded gathered K/V fits the budget."""
+    if seqs.numel() == 0:
+        return []
+    if kv_token_bytes <= 0:
+        return [seqs]
+    max_tokens = (int(kv_lens[seqs].max()) + block_size - 1) // block_size * block_size
+    per_chunk = max(1, _GATHER_BUDGET_BYTES // (max_tokens * kv_token_bytes))
+    return list(seqs.split(per_chunk))
 
 
 def _plan_group(meta: AttentionMetadata, seqs: torch.Tensor) -> _GroupPlan:
@@ -173,7 +200,7 @@ def paged_attention_cpu(
             qg,
             kg.transpose(1, 2),
             vg.transpose(1, 2),
-            attn_mask=plan.mask_for(group_size),
+            attn_mask=plan.mask_for(group_size, q.dtype),
             scale=scale,
         )
         # [n, kv_heads, g, max_q, d] -> [n * max_q, heads, d]

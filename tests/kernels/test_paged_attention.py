@@ -48,3 +48,17 @@ def test_rejects_bad_head_ratio():
     q, kc, vc, meta, _, _ = make_paged_batch([2], [2], 4, 4, 8, 4)
     with pytest.raises(ValueError, match="multiple"):
         paged_attention(q[:, :3], kc, vc, meta, 1.0)
+
+
+@pytest.mark.parametrize(
+    "q_lens,kv_lens", [([1, 1, 1, 1, 1], [9, 40, 3, 17, 33]), ([5, 1, 16], [5, 9, 40])]
+)
+def test_groups_split_to_fit_the_cache_give_the_same_result(q_lens, kv_lens):
+    q, kc, vc, meta, dk, dv = make_paged_batch(q_lens, kv_lens, 4, 2, 16, 4, seed=7)
+    # a KV token so large that every group is split into single sequences
+    split = type(meta).build(
+        [t.tolist() for t in meta.block_tables], q_lens, kv_lens, 4, "cpu", kv_token_bytes=1 << 30
+    )
+    assert len(split.groups) == len(q_lens) > len(meta.groups)
+    expected = dense_causal_attention(q, dk, dv, q_lens, kv_lens, 0.25)
+    torch.testing.assert_close(paged_attention(q, kc, vc, split, 0.25), expected.float())
