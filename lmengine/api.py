@@ -7,6 +7,7 @@ lmdeploy does); pass `apply_chat_template=False` to send strings raw.
 
 from __future__ import annotations
 
+import queue
 from collections.abc import Iterator
 
 from lmengine.config import EngineConfig, GenerationConfig
@@ -22,6 +23,18 @@ def chat_token_ids(tokenizer, messages: list[dict]) -> list[int]:
         messages, add_generation_prompt=True, tokenize=True, return_dict=False
     )
     return list(ids)
+
+
+def _responses(responses: queue.Queue, num_requests: int) -> Iterator[Response]:
+    """Every Response of `num_requests` requests sharing one queue, until all have finished.
+    The engine may put one step's responses as a list."""
+    remaining = num_requests
+    while remaining:
+        item = responses.get()
+        for r in item if isinstance(item, list) else (item,):
+            if r.finish_reason is not None:
+                remaining -= 1
+            yield r
 
 
 class Pipeline:
@@ -98,9 +111,7 @@ class Pipeline:
         self._submit(batch, gen_config, adapter_name, priority, responses)
         seen_text = [""] * len(batch)
         seen_tokens = [0] * len(batch)
-        remaining = len(batch)
-        while remaining:
-            r: Response = responses.get()
+        for r in _responses(responses, len(batch)):
             i = r.index
             text = r.text or ""
             delta = Response(
@@ -115,8 +126,6 @@ class Pipeline:
                 session_id=r.session_id,
             )
             seen_text[i], seen_tokens[i] = text, len(r.token_ids)
-            if r.finish_reason is not None:
-                remaining -= 1
             yield delta
 
     def __call__(
@@ -138,12 +147,9 @@ class Pipeline:
             from tqdm import tqdm
 
             bar = tqdm(total=len(batch), desc="generating", unit="prompt")
-        remaining = len(batch)
-        while remaining:
-            r = responses.get()
+        for r in _responses(responses, len(batch)):
             if r.finish_reason is not None:
                 finals[r.index] = r
-                remaining -= 1
                 if bar is not None:
                     bar.update(1)
         if bar is not None:

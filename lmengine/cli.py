@@ -52,6 +52,8 @@ def add_dataclass_flags(parser: argparse.ArgumentParser, cls, title: str, defaul
         flag = "--" + f.name.replace("_", "-")
         ann = str(f.type)
         default = defaults.get(f.name, f.default)
+        if default is dataclasses.MISSING:  # a default_factory field
+            default = f.default_factory()
         text = helps.get(f.name, "")
         text = f"{text} (default: {default})" if text else f"default: {default}"
         kwargs = dict(dest=f"{cls.__name__}.{f.name}", default=None, help=text)

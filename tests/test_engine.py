@@ -182,3 +182,11 @@ def test_close_fails_outstanding_requests(tiny_llama_path):
     eng.close()
     last = [r for r in stream][-1]
     assert last.finish_reason == "error" and "closed" in last.error
+
+
+def test_load_failure_raises_in_the_caller(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+        Engine.from_pretrained(str(tmp_path / "missing" / "model"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        Engine.from_pretrained(str(tmp_path / "empty"))

@@ -64,7 +64,12 @@ class ModelAgent:
         offset = torch.arange(int(q_lens_t.sum())) - first_token[seq_of_token]
         positions = torch.tensor(starts)[seq_of_token] + offset  # [T]
         meta = AttentionMetadata.build(
-            [it.block_table for it in items], q_lens, kv_lens, bs, self.device, self.kv_token_bytes
+            [it.block_table for it in items],
+            q_lens,
+            kv_lens,
+            bs,
+            self.device,
+            kv_token_bytes=self.kv_token_bytes,
         )
         # flat cache slot of every packed token
         slot_mapping = (

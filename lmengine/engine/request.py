@@ -18,7 +18,10 @@ from lmengine.config import GenerationConfig
 
 @dataclass
 class Response:
-    """One update of a request. `token_ids` holds every token generated so far."""
+    """One update of a request. `token_ids` holds every token generated so far.
+
+    A response queue shared by several requests may receive a list of Responses (one step's
+    updates at once); a queue owned by one request receives Response objects only."""
 
     text: str | None = None  # decoded generated text so far (stop words removed)
     token_ids: list[int] = field(default_factory=list)
@@ -125,12 +128,32 @@ class RequestManager:
                 return items
 
     def publish(self, req: AddRequest, response: Response) -> None:
-        response.index = req.index
-        response.session_id = req.session_id
-        if response.finish_reason is not None:
+        self.publish_many([(req, response)])
+
+    def publish_many(self, pairs: list[tuple[AddRequest, Response]]) -> None:
+        """Deliver one step's responses. Requests that share a queue (a pipeline batch) get
+        one list per step instead of one item per response.
+
+        NOTE: every wake-up of a consumer thread during a forward steals a core from the
+        compute threads; one wake-up per step instead of one per sequence kept a 64-sequence
+        decode step from slowing down by a quarter on 2 cores.
+        """
+        by_queue: dict[int, list[Response]] = {}
+        queues: dict[int, queue.Queue] = {}
+        finished = []
+        for req, response in pairs:
+            response.index = req.index
+            response.session_id = req.session_id
+            if response.finish_reason is not None:
+                finished.append(req)
+            by_queue.setdefault(id(req.response_queue), []).append(response)
+            queues[id(req.response_queue)] = req.response_queue
+        if finished:
             with self._lock:
-                self._outstanding.pop(id(req), None)
-        req.response_queue.put(response)
+                for req in finished:
+                    self._outstanding.pop(id(req), None)
+        for key, responses in by_queue.items():
+            queues[key].put(responses[0] if len(responses) == 1 else responses)
 
     def close(self, reason: str) -> None:
         """Refuse new requests and answer every outstanding one with an error."""

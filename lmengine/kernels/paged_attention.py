@@ -193,7 +193,7 @@ def paged_attention_cpu(
         qg = q if plan.is_identity else q[plan.q_index]
         qg = qg.view(n, max_q, num_kv_heads, group_size, head_dim)
         qg = qg.permute(0, 2, 3, 1, 4).reshape(n, num_kv_heads, group_size * max_q, head_dim)
-        # [n * max_blocks, block_size, kv_heads, d] -> [n, kv_heads, max_blocks * block_size, d]
+        # [n * max_blocks, bs, kv_heads, d] -> [n, kv_heads, max_blocks * bs, d]
         kg = k_cache.index_select(0, plan.kv_blocks).view(n, -1, num_kv_heads, head_dim)
         vg = v_cache.index_select(0, plan.kv_blocks).view(n, -1, num_kv_heads, head_dim)
         res = F.scaled_dot_product_attention(
