@@ -293,8 +293,13 @@ class Bench:
         self.engine = self._load_engine()
         self.setup["lmengine_load_s"] = round(time.perf_counter() - t0, 2)
         t0 = time.perf_counter()
-        self.hf = AutoModelForCausalLM.from_pretrained(self.path, dtype=torch.float32)
-        self.hf.eval().requires_grad_(False)
+        self.hf = self._on_engine_thread(
+            lambda: (
+                AutoModelForCausalLM.from_pretrained(self.path, dtype=torch.float32)
+                .eval()
+                .requires_grad_(False)
+            )
+        )
         self.setup["transformers_load_s"] = round(time.perf_counter() - t0, 2)
         self.setup["transformers_attn_implementation"] = self.hf.config._attn_implementation
         torch.set_num_threads(os.cpu_count() or 1)
@@ -401,21 +406,37 @@ class Bench:
                 row.error = msg
         self.rows.extend(rows)
 
+    def _on_engine_thread(self, fn: Callable[[], Any]) -> Any:
+        """Run `fn` on lmengine's loop thread, between engine steps.
+
+        NOTE: a second thread running parallel torch ops owns a second OpenMP pool, and with
+        two pools libgomp stops spin-waiting: on 2 cores that made small ops of whichever
+        thread ran second up to 2x slower. transformers therefore runs on the same thread as
+        lmengine's forwards (the engine is idle meanwhile), so neither system pays for the
+        other and each runs as it would alone. (transformers' generate_batch starts a thread
+        of its own, which this cannot avoid.)
+        """
+        return self.engine.call(fn, timeout=None)
+
     def _hf_generate(self, ids: list[list[int]], new: int) -> float:
         """Seconds of one left-padded static-batch `generate` making exactly `new` tokens."""
         torch = self.torch
         enc = self.tokenizer.pad({"input_ids": ids}, padding=True, return_tensors="pt")
-        with torch.inference_mode():
-            t0 = time.perf_counter()
-            out = self.hf.generate(
-                input_ids=enc["input_ids"],
-                attention_mask=enc["attention_mask"],
-                max_new_tokens=new,
-                min_new_tokens=new,
-                do_sample=False,
-                pad_token_id=self.tokenizer.pad_token_id,
-            )
-            dt = time.perf_counter() - t0
+
+        def run():
+            with torch.inference_mode():
+                t0 = time.perf_counter()
+                out = self.hf.generate(
+                    input_ids=enc["input_ids"],
+                    attention_mask=enc["attention_mask"],
+                    max_new_tokens=new,
+                    min_new_tokens=new,
+                    do_sample=False,
+                    pad_token_id=self.tokenizer.pad_token_id,
+                )
+                return out, time.perf_counter() - t0
+
+        out, dt = self._on_engine_thread(run)
         made = out.shape[1] - enc["input_ids"].shape[1]
         if made != new:
             raise BenchError(f"transformers generate made {made} tokens per prompt, not {new}")

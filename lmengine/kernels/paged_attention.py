@@ -24,6 +24,7 @@ class _GroupPlan:
     kv_blocks: torch.Tensor  # [num_seqs * max_blocks] block ids, row-major (padding -> 0)
     mask: torch.Tensor  # [num_seqs, 1, max_q, max_blocks * block_size] bool, True = attend
     is_identity: bool  # the group is every packed token, one per sequence, in order
+    is_fresh: bool  # prefills with no cached history: plain causal attention applies
     out_rows: torch.Tensor  # [num_valid] rows of the flattened [num_seqs * max_q] result
     out_tokens: torch.Tensor  # [num_valid] packed token index each valid row goes to
     tiled_masks: dict[tuple, torch.Tensor] = field(default_factory=dict)  # per (g, dtype)
@@ -85,7 +86,8 @@ class AttentionMetadata:
         )
         if torch.device(device).type == "cpu":
             is_decode = q_lens_t == 1
-            for sel in (is_decode, ~is_decode):
+            is_fresh = ~is_decode & (kv_lens_t == q_lens_t)
+            for sel in (is_decode, is_fresh, ~is_decode & ~is_fresh):
                 seqs = sel.nonzero().flatten()
                 for chunk in _cache_sized_chunks(seqs, kv_lens_t, block_size, kv_token_bytes):
                     meta.groups.append(_plan_group(meta, chunk))
@@ -141,6 +143,7 @@ def _plan_group(meta: AttentionMetadata, seqs: torch.Tensor) -> _GroupPlan:
         out_rows=out_rows,
         out_tokens=out_tokens,
         is_identity=is_identity,
+        is_fresh=max_q > 1 and bool((kv_lens == q_lens).all()),
     )
 
 
@@ -189,23 +192,29 @@ def paged_attention_cpu(
     out = None
     for plan in meta.groups:
         n, max_q = plan.q_index.shape
-        # [n, max_q, kv_heads, g, d] -> [n, kv_heads, g * max_q, d]
-        qg = q if plan.is_identity else q[plan.q_index]
-        qg = qg.view(n, max_q, num_kv_heads, group_size, head_dim)
-        qg = qg.permute(0, 2, 3, 1, 4).reshape(n, num_kv_heads, group_size * max_q, head_dim)
         # [n * max_blocks, bs, kv_heads, d] -> [n, kv_heads, max_blocks * bs, d]
         kg = k_cache.index_select(0, plan.kv_blocks).view(n, -1, num_kv_heads, head_dim)
         vg = v_cache.index_select(0, plan.kv_blocks).view(n, -1, num_kv_heads, head_dim)
-        res = F.scaled_dot_product_attention(
-            qg,
-            kg.transpose(1, 2),
-            vg.transpose(1, 2),
-            attn_mask=plan.mask_for(group_size, q.dtype),
-            scale=scale,
-        )
-        # [n, kv_heads, g, max_q, d] -> [n * max_q, heads, d]
-        res = res.view(n, num_kv_heads, group_size, max_q, head_dim).permute(0, 3, 1, 2, 4)
-        res = res.reshape(n * max_q, num_heads, head_dim)
+        kg, vg = kg.transpose(1, 2), vg.transpose(1, 2)
+        if plan.is_fresh:
+            # NOTE: whole prompts, right-padded: top-left causal masking is exact for the real
+            # rows, and SDPA then skips the masked half instead of reading a dense mask.
+            qf = q[plan.q_index].transpose(1, 2)  # [n, heads, max_q, d]
+            res = F.scaled_dot_product_attention(
+                qf, kg, vg, is_causal=True, scale=scale, enable_gqa=True
+            )
+            res = res.transpose(1, 2).reshape(n * max_q, num_heads, head_dim)
+        else:
+            # [n, max_q, kv_heads, g, d] -> [n, kv_heads, g * max_q, d]
+            qg = q if plan.is_identity else q[plan.q_index]
+            qg = qg.view(n, max_q, num_kv_heads, group_size, head_dim)
+            qg = qg.permute(0, 2, 3, 1, 4).reshape(n, num_kv_heads, group_size * max_q, head_dim)
+            res = F.scaled_dot_product_attention(
+                qg, kg, vg, attn_mask=plan.mask_for(group_size, q.dtype), scale=scale
+            )
+            # [n, kv_heads, g, max_q, d] -> [n * max_q, heads, d]
+            res = res.view(n, num_kv_heads, group_size, max_q, head_dim).permute(0, 3, 1, 2, 4)
+            res = res.reshape(n * max_q, num_heads, head_dim)
         if plan.is_identity:
             return res
         if out is None:
