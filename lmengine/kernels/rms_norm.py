@@ -30,14 +30,22 @@ def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
         raise ValueError(f"rms_norm: hidden size {x.shape[-1]} != weight size {weight.shape[0]}")
 
 
+def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """One fused op instead of the reference's seven. In float32, torch's fused RMSNorm is
+    bit-identical to the reference (checked on 1, 64 and 2,475 rows); other dtypes cast in
+    a different order, so they keep the reference."""
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        return torch.rms_norm(x, (x.shape[-1],), weight, eps)
+    return rms_norm_ref(x, weight, eps)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     _check(x, weight)
     if x.is_cuda:
         from lmengine.kernels.triton.rms_norm import rms_norm_triton
 
         return rms_norm_triton(x, weight, eps)
-    # NOTE: the reference is already one vectorised pass per op; on CPU it is the fast path.
-    return rms_norm_ref(x, weight, eps)
+    return rms_norm_cpu(x, weight, eps)
 
 
 def add_rms_norm(
@@ -48,4 +56,5 @@ def add_rms_norm(
         from lmengine.kernels.triton.rms_norm import add_rms_norm_triton
 
         return add_rms_norm_triton(x, residual, weight, eps)
-    return add_rms_norm_ref(x, residual, weight, eps)
+    summed = residual + x
+    return rms_norm_cpu(summed, weight, eps), summed

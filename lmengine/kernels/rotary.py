@@ -24,6 +24,21 @@ def apply_rotary_ref(
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
+def apply_rotary_cpu(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """rotate_half(x) * sin == roll(x, d/2) * (sin with its first half negated): one roll
+    instead of two slices, a negation and a concatenation per tensor. Bit-identical to the
+    reference (a sign flip is exact)."""
+    half = q.shape[-1] // 2
+    signed_sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)[:, None, :]
+    cos = cos[:, None, :]
+    return (
+        q * cos + q.roll(half, -1) * signed_sin,
+        k * cos + k.roll(half, -1) * signed_sin,
+    )
+
+
 def apply_rotary(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -33,4 +48,4 @@ def apply_rotary(
         from lmengine.kernels.triton.rotary import apply_rotary_triton
 
         return apply_rotary_triton(q, k, cos, sin)
-    return apply_rotary_ref(q, k, cos, sin)
+    return apply_rotary_cpu(q, k, cos, sin)
