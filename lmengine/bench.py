@@ -410,8 +410,8 @@ class Bench:
         """Run `fn` on lmengine's loop thread, between engine steps.
 
         NOTE: a second thread running parallel torch ops owns a second OpenMP pool, and with
-        two pools libgomp stops spin-waiting: on 2 cores that made small ops of whichever
-        thread ran second up to 2x slower. transformers therefore runs on the same thread as
+        two pools small ops of whichever thread ran second were up to 2x slower on 2 cores
+        (most likely libgomp throttling its spin-waits). transformers therefore runs on the same thread as
         lmengine's forwards (the engine is idle meanwhile), so neither system pays for the
         other and each runs as it would alone. (transformers' generate_batch starts a thread
         of its own, which this cannot avoid.)
