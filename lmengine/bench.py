@@ -411,10 +411,10 @@ class Bench:
 
         NOTE: a second thread running parallel torch ops owns a second OpenMP pool, and with
         two pools small ops of whichever thread ran second were up to 2x slower on 2 cores
-        (most likely libgomp throttling its spin-waits). transformers therefore runs on the same thread as
-        lmengine's forwards (the engine is idle meanwhile), so neither system pays for the
-        other and each runs as it would alone. (transformers' generate_batch starts a thread
-        of its own, which this cannot avoid.)
+        (most likely libgomp throttling its spin-waits). transformers therefore runs on the
+        same thread as lmengine's forwards (the engine is idle meanwhile), so neither system
+        pays for the other and each runs as it would alone. (transformers' generate_batch
+        starts a thread of its own, which this cannot avoid.)
         """
         return self.engine.call(fn, timeout=None)
 
