@@ -17,7 +17,6 @@ from pathlib import Path
 
 from lmengine.config import EngineConfig, GenerationConfig
 
-_SKIP = {"extra"}
 _GEN_DEFAULTS = {"max_new_tokens": 256}  # the CLI's own default, shorter than the API's
 
 
@@ -47,8 +46,6 @@ def add_dataclass_flags(parser: argparse.ArgumentParser, cls, title: str, defaul
     helps = _field_help(cls)
     defaults = defaults or {}
     for f in dataclasses.fields(cls):
-        if f.name in _SKIP:
-            continue
         flag = "--" + f.name.replace("_", "-")
         ann = str(f.type)
         default = defaults.get(f.name, f.default)

@@ -6,7 +6,7 @@ field, the value and what is allowed. Nothing here imports torch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 DEVICES = ("auto", "cuda", "cpu")
@@ -108,7 +108,6 @@ class GenerationConfig:
     random_seed: int | None = None
     logprobs: int | None = None
     skip_special_tokens: bool = True
-    extra: dict = field(default_factory=dict, repr=False)  # room for later options
 
     def __post_init__(self) -> None:
         _check_int("max_new_tokens", self.max_new_tokens, 1)
@@ -141,7 +140,3 @@ class GenerationConfig:
             _check_int("logprobs", self.logprobs, 0)
             if self.logprobs > 20:
                 raise ValueError(f"logprobs must be <= 20, got {self.logprobs!r}")
-
-    @classmethod
-    def field_names(cls) -> list[str]:
-        return [f.name for f in fields(cls) if f.name != "extra"]

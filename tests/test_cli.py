@@ -30,8 +30,7 @@ def test_help_of_every_command():
         assert res.returncode == 0 and "--" in res.stdout
     gen_help = run_cli("generate", "--help", timeout=60).stdout
     for f in dataclasses.fields(GenerationConfig):
-        if f.name != "extra":
-            assert "--" + f.name.replace("_", "-") in gen_help
+        assert "--" + f.name.replace("_", "-") in gen_help
     for f in dataclasses.fields(EngineConfig):
         assert "--" + f.name.replace("_", "-") in gen_help
 

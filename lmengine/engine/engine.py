@@ -31,6 +31,7 @@ from lmengine.engine.request import (
     RequestError,
     RequestManager,
     Response,
+    error_response,
 )
 from lmengine.engine.sampling import SampleResult
 from lmengine.models.model_info import ModelInfo
@@ -275,14 +276,8 @@ class Engine:
 
     def _add(self, req: AddRequest) -> None:
         if req.session_id in self._states:
-            self.request_manager.publish(
-                req,
-                Response(
-                    finish_reason="error",
-                    error=f"session {req.session_id} already has a running request",
-                    input_token_len=len(req.input_ids),
-                ),
-            )
+            message = f"session {req.session_id} already has a running request"
+            self.request_manager.publish(req, error_response(req, message))
             return
         seq = Sequence(
             seq_id=next(self._seq_ids),

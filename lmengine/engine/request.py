@@ -169,15 +169,6 @@ class RequestManager:
             req.response_queue.put(error_response(req, reason))
         self._wakeup.set()
 
-    @property
-    def num_outstanding(self) -> int:
-        with self._lock:
-            return len(self._outstanding)
-
-    @property
-    def is_closed(self) -> bool:
-        return self._closed_reason is not None
-
     def wake(self) -> None:
         self._wakeup.set()
 

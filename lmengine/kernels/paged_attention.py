@@ -22,7 +22,9 @@ class _GroupPlan:
 
     q_index: torch.Tensor  # [num_seqs, max_q] packed token per query row (padding repeats)
     kv_blocks: torch.Tensor  # [num_seqs * max_blocks] block ids, row-major (padding -> 0)
-    mask: torch.Tensor  # [num_seqs, 1, max_q, max_blocks * block_size] bool, True = attend
+    # [num_seqs, 1, max_q, max_blocks * block_size] bool, True = attend; None for fresh
+    # prompts, which the causal SDPA path serves without a mask
+    mask: torch.Tensor | None
     is_identity: bool  # the group is every packed token, one per sequence, in order
     is_fresh: bool  # prefills with no cached history: plain causal attention applies
     out_rows: torch.Tensor  # [num_valid] rows of the flattened [num_seqs * max_q] result
@@ -127,10 +129,13 @@ def _plan_group(meta: AttentionMetadata, seqs: torch.Tensor) -> _GroupPlan:
     # NOTE: whole blocks are gathered (one contiguous copy each, much faster than per slot);
     # the slots past kv_len are masked out.
     kv_blocks = meta.block_tables[seqs, :max_blocks].long()  # [n, max_blocks]
-    keys = torch.arange(max_blocks * bs)
-    # key j is visible to query i iff j <= position(i); padded rows see every real key
-    last_visible = (kv_lens - q_lens)[:, None] + row_clamped  # [n, max_q]
-    mask = keys[None, None, :] <= last_visible[:, :, None]  # [n, max_q, max_blocks * bs]
+    is_fresh = max_q > 1 and bool((kv_lens == q_lens).all())
+    mask = None
+    if not is_fresh:
+        # key j is visible to query i iff j <= position(i); padded rows see every real key
+        last_visible = (kv_lens - q_lens)[:, None] + row_clamped  # [n, max_q]
+        keys = torch.arange(max_blocks * bs)
+        mask = (keys[None, None, :] <= last_visible[:, :, None])[:, None]  # [n, 1, max_q, keys]
     valid = (rows[None, :] < q_lens[:, None]).flatten()
     out_rows = valid.nonzero().flatten()
     out_tokens = q_index.flatten()[out_rows]
@@ -139,11 +144,11 @@ def _plan_group(meta: AttentionMetadata, seqs: torch.Tensor) -> _GroupPlan:
     return _GroupPlan(
         q_index=q_index,
         kv_blocks=kv_blocks.flatten(),
-        mask=mask[:, None],
+        mask=mask,
         out_rows=out_rows,
         out_tokens=out_tokens,
         is_identity=is_identity,
-        is_fresh=max_q > 1 and bool((kv_lens == q_lens).all()),
+        is_fresh=is_fresh,
     )
 
 

@@ -27,7 +27,7 @@ def register_policy(name: str) -> Callable[[type[Policy]], type[Policy]]:
 
 def get_policy(name: str, **kwargs) -> Policy:
     if name not in _POLICIES:
-        raise ValueError(f"scheduling_policy must be one of {sorted(_POLICIES)}, got {name!r}")
+        raise ValueError(f"scheduling_policy must be one of {available_policies()}, got {name!r}")
     return _POLICIES[name](**kwargs)
 
 
