@@ -17,6 +17,7 @@ from lmengine.kernels import AttentionMetadata
 from lmengine.models import patch
 from lmengine.models.context import StepContext, step_context
 from lmengine.models.model_info import ModelInfo
+from lmengine.quant import apply_quant_policy
 from lmengine.scheduler.scheduler import SchedulerOutput
 
 
@@ -30,7 +31,7 @@ class ModelAgent:
         engine_config: EngineConfig,
         device: torch.device,
     ) -> None:
-        self.model = patch(model)
+        self.model = apply_quant_policy(patch(model), engine_config)
         self.info = info
         self.device = device
         self.block_size = engine_config.block_size
