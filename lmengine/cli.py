@@ -210,6 +210,7 @@ def cmd_quantize(args) -> int:
         alpha=None if args.no_smooth else args.alpha,
         calib_file=args.calib_file,
         show_progress=not args.quiet,
+        fold_rows=args.fold_rows,
     )
     print(f"wrote {out} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     return 0
@@ -230,6 +231,11 @@ def _add_quantize_parser(sub) -> None:
     )
     quant.add_argument(
         "--no-smooth", action="store_true", help="no calibration, no smoothing (plain W8A8)"
+    )
+    quant.add_argument(
+        "--fold-rows",
+        action="store_true",
+        help="also smooth o_proj/down_proj inputs into the v/up rows (worse on SmolLM2)",
     )
     quant.add_argument("--quiet", action="store_true", help="no progress bar")
     quant.set_defaults(func=cmd_quantize)

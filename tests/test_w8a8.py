@@ -181,7 +181,7 @@ def test_smoothing_keeps_the_float_function(tiny_llama_path):
         f"{prefix}.mlp.gate_proj": maxima(cfg.hidden_size),
         f"{prefix}.mlp.down_proj": maxima(cfg.intermediate_size),
     }
-    smooth_layer(layer, prefix, get_layout(model), acts, 0.5, head_dim)
+    smooth_layer(layer, prefix, get_layout(model), acts, 0.5, head_dim, fold_rows=True)
     x = torch.randn(5, cfg.hidden_size, generator=gen)
     tol = dict(rtol=1e-4, atol=1e-4)
     with torch.no_grad():

@@ -12,7 +12,7 @@ from lmengine.engine.loader import load_model_and_tokenizer
 from lmengine.quant.eval import heldout_token_ids, perplexity
 from lmengine.quant.w8a8 import calibrate, quantize_checkpoint
 
-WINDOW, NUM_WINDOWS = 128, 4
+WINDOW, NUM_WINDOWS = 128, 8
 _ENGINE = dict(num_gpu_blocks=NUM_WINDOWS * WINDOW // 16 + 8)
 
 

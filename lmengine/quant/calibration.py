@@ -42,16 +42,43 @@ def stdlib_docstrings(max_chars: int) -> str:
     return "\n\n".join(parts)[:max_chars]
 
 
+def _chat_ids(tokenizer, text: str) -> list[int]:
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], tokenize=True, return_dict=False
+    )
+    return list(ids["input_ids"]) if isinstance(ids, dict) else list(ids)
+
+
 def calibration_batches(
     tokenizer, num_samples: int, seqlen: int, text: str | None = None
 ) -> torch.Tensor:
-    """[num_samples, seqlen] token ids: consecutive chunks of `text` (default: stdlib docs)."""
+    """[num_samples, seqlen] token ids from `text` (default: stdlib docstrings).
+
+    With a chat template (an instruct model), each sample is one user turn holding the next
+    piece of text, formatted by the template, so the calibration sees the system prompt and
+    the special tokens the model will serve (NOTE: without them, SmolLM2's smoothing scales
+    missed those tokens' activations and the answer to "capital of France?" went wrong while
+    perplexity on plain text was fine). Without one, consecutive chunks of the token stream.
+    """
     if num_samples < 1 or seqlen < 2:
         raise ValueError(
             f"need calib_samples >= 1 and calib_seqlen >= 2, got {num_samples} and {seqlen}"
         )
+    chars_per_sample = seqlen * 6  # ~4 characters per token, with margin
     if text is None:
-        text = stdlib_docstrings(num_samples * seqlen * 6)  # ~4 characters per token, with margin
+        text = stdlib_docstrings(num_samples * chars_per_sample)
+    if getattr(tokenizer, "chat_template", None):
+        rows = []
+        for i in range(num_samples):
+            piece = text[i * chars_per_sample : (i + 1) * chars_per_sample]
+            ids = _chat_ids(tokenizer, piece)[:seqlen]
+            if len(ids) < seqlen:
+                raise ValueError(
+                    f"the calibration text is too short for {num_samples} samples of {seqlen} "
+                    f"tokens (sample {i} has {len(ids)}): give more text or lower them"
+                )
+            rows.append(ids)
+        return torch.tensor(rows)  # [num_samples, seqlen]
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     need = num_samples * seqlen
     if len(ids) < need:

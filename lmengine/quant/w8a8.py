@@ -7,7 +7,8 @@ Flow of `lmengine quantize w8a8` (`quantize_checkpoint`):
    of a linear group, `s_j = max|X_j|^alpha / max|W_j|^(1 - alpha)`; X is divided by s where it
    is produced (the RMSNorm weight for q/k/v and gate/up; the v rows of qkv for o; the up rows of
    gate_up for down), W's columns are multiplied by s. In float the model is unchanged; the
-   activation outliers move into the weights, where per-channel quantization absorbs them;
+   activation outliers move into the weights, where per-channel quantization absorbs them.
+   The v -> o and up -> down folds are optional (`fold_rows`): measured worse on SmolLM2;
 3. replace the linears of the decoder layers with W8A8Linears (int8 weights per output
    channel), and the RMSNorms feeding them with W8A8RMSNorms (int8 activations per token);
 4. save the patched state dict as safetensors; `config.json` records the quantization.
@@ -111,15 +112,17 @@ def smooth_layer(
     act_maxima: dict[str, torch.Tensor],
     alpha: float,
     head_dim: int,
+    fold_rows: bool = False,
 ) -> None:
-    """Fold SmoothQuant scales into one patched, still-float decoder layer (in place)."""
+    """Fold SmoothQuant scales into one patched, still-float decoder layer (in place): into
+    the norms always, into producer rows (v -> o, up -> down) only with `fold_rows`."""
     for norm_name, linear_name in layout.norm_groups:
         norm, linear = layer.get_submodule(norm_name), layer.get_submodule(linear_name)
         act = act_maxima[_stat_key(layer_prefix, linear_name, linear)]  # [hidden]
         s = smooth_scales(act, linear.weight, alpha)  # [hidden]
         norm.weight.div_(s.to(norm.weight.dtype))
         linear.weight.mul_(s.to(linear.weight.dtype)[None, :])
-    for producer_name, part, consumer_name in layout.row_groups:
+    for producer_name, part, consumer_name in layout.row_groups if fold_rows else ():
         producer = layer.get_submodule(producer_name)
         consumer = layer.get_submodule(consumer_name)
         rows = _part_rows(producer, part)
@@ -174,6 +177,7 @@ def quantize_model(
     act_maxima: dict[str, torch.Tensor] | None = None,
     alpha: float | None = 0.5,
     quantize_weights: bool = True,
+    fold_rows: bool = False,
 ) -> nn.Module:
     """Quantize a patched float model in place. With `act_maxima` (from calibration) and an
     `alpha`, SmoothQuant first; without, plain W8A8 (per-channel weights, per-token inputs).
@@ -184,7 +188,8 @@ def quantize_model(
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     for i, layer in enumerate(model.get_submodule(layout.layers)):
         if act_maxima is not None and alpha is not None:
-            smooth_layer(layer, f"{layout.layers}.{i}", layout, act_maxima, alpha, head_dim)
+            prefix = f"{layout.layers}.{i}"
+            smooth_layer(layer, prefix, layout, act_maxima, alpha, head_dim, fold_rows)
         convert_layer(layer, layout, quantize_weights)
     return model
 
@@ -355,11 +360,14 @@ def quantize_checkpoint(
     calib_file: str | None = None,
     show_progress: bool = True,
     act_maxima: dict[str, torch.Tensor] | None = None,
+    fold_rows: bool = False,
 ) -> Path:
     """Calibrate, smooth, quantize and save; returns the output folder.
 
     alpha=None: no smoothing and no calibration (plain W8A8, for comparison). `act_maxima`
-    from an earlier `calibrate` of the same model skips the calibration run.
+    from an earlier `calibrate` of the same model skips the calibration run. `fold_rows` also
+    smooths o_proj and down_proj inputs into the v and up rows (off by default: on SmolLM2 it
+    raised perplexity, see README).
     """
     from lmengine.engine.loader import load_model_and_tokenizer
     from lmengine.models import patch
@@ -378,12 +386,15 @@ def quantize_checkpoint(
         )
     calib_s = time.perf_counter() - t0
     patch(model)
-    quantize_model(model, act_maxima, alpha)
+    quantize_model(model, act_maxima, alpha, fold_rows=fold_rows)
     smoothed = alpha is not None
+    folds = ["input_layernorm -> q/k/v", "post_attention_layernorm -> gate/up"]
+    folds += ["v -> o", "up -> down"] if fold_rows else []
     quant_config = {
         "weights": "int8, symmetric, per output channel",
         "activations": "int8, symmetric, per token, dynamic",
         "smoothquant_alpha": alpha,
+        "smoothing": folds if smoothed else [],
         "calib_samples": calib_samples if smoothed else 0,
         "calib_seqlen": calib_seqlen if smoothed else 0,
         "calib_source": (calib_file or "python stdlib docstrings") if smoothed else None,
