@@ -1,4 +1,4 @@
-"""The `lmengine` command: generate, chat, bench.
+"""The `lmengine` command: generate, chat, bench, quantize.
 
 Engine and generation flags are generated from the `EngineConfig` and `GenerationConfig`
 dataclasses (help text from their field comments), so the flags and the configs never drift.
@@ -201,6 +201,8 @@ def cmd_bench(args) -> int:
 def cmd_quantize(args) -> int:
     from lmengine.quant.w8a8 import quantize_checkpoint
 
+    if args.calib_file and not Path(args.calib_file).is_file():
+        raise ValueError(f"--calib-file {args.calib_file}: no such file")
     t0 = time.perf_counter()
     out = quantize_checkpoint(
         args.model,

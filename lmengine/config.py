@@ -59,7 +59,7 @@ class EngineConfig:
     qos_config_path: str | None = None
     adapters: dict[str, str] | None = None  # adapter name -> peft folder
     max_lora_slots: int = 8
-    quant_policy: str | None = None
+    quant_policy: str | None = None  # "w8a8": int8 weights+activations (float ckpt: no smoothing)
     enable_prefix_caching: bool = False
     num_threads: int = 0  # CPU: torch intra-op threads; 0 = all cores
     trust_remote_code: bool = False
