@@ -60,9 +60,11 @@ def test_per_token_quant_zero_row_is_finite():
     assert (q == 0).all() and torch.isfinite(scale).all() and (scale > 0).all()
 
 
-@pytest.mark.parametrize("shape", ROW_SHAPES)
-def test_per_token_quant_cpu_is_reference(shape):
-    x = _rows(shape)
+@pytest.mark.parametrize("shape", ROW_SHAPES + [(64, 1536)])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_per_token_quant_cpu_is_reference(shape, seed):
+    x = _rows(shape, seed=seed)
+    x[-1] = 0.0  # an all-zero row
     q, scale = per_token_quant(x)
     q_ref, scale_ref = per_token_quant_ref(x)
     assert torch.equal(q, q_ref) and torch.equal(scale, scale_ref)
