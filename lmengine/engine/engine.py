@@ -194,7 +194,7 @@ class Engine:
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def close(self) -> None:
-        if self._stop.is_set():
+        if self._stop.is_set() and not self._thread.is_alive():
             return
         self._stop.set()
         self.request_manager.wake()
