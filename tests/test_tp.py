@@ -92,12 +92,10 @@ def test_shards_hold_their_slice_only(tiny_llama_path, kv1_path):
         assert shard.model.layers[0].mlp.gate_up_proj.output_sizes == [64, 64]
         assert 0.45 < weight_bytes(shard) / weight_bytes(full) < 0.55
     # q rows of rank 1 are heads 2..3 of the full q projection, k rows KV head 1
-    q_full, k_full, _ = full.model.layers[0].self_attn.qkv_proj.split(
-        full.model.layers[0].self_attn.qkv_proj.weight.T
-    )
-    q1, k1, _ = shards[1].model.layers[0].self_attn.qkv_proj.split(
-        shards[1].model.layers[0].self_attn.qkv_proj.weight.T
-    )
+    full_qkv = full.model.layers[0].self_attn.qkv_proj
+    qkv1 = shards[1].model.layers[0].self_attn.qkv_proj
+    q_full, k_full, _ = full_qkv.split(full_qkv.weight.T)  # [in, rows] per part
+    q1, k1, _ = qkv1.split(qkv1.weight.T)
     assert torch.equal(q1, q_full[:, 32:]) and torch.equal(k1, k_full[:, 16:])
     # fewer KV heads than ranks: both ranks hold the one KV head
     kv1 = [load_shard(kv1_path, "float32", torch.device("cpu"), r, 2, False)[0] for r in (0, 1)]
@@ -118,7 +116,9 @@ def test_tp2_fewer_kv_heads_than_ranks_then_a_worker_dies(kv1_path):
         inst = engine.create_instance()
         result = {}
         gen = GenerationConfig(max_new_tokens=400, ignore_eos=True)
-        runner = threading.Thread(target=lambda: result.update(r=inst.infer(1, [5, 6], gen_config=gen)))
+        runner = threading.Thread(
+            target=lambda: result.update(r=inst.infer(1, [5, 6], gen_config=gen))
+        )
         runner.start()
         time.sleep(1.0)
         os.kill(procs[0].pid, signal.SIGKILL)
