@@ -1,8 +1,9 @@
 """A tensor-parallel worker: ranks 1..N-1. `python -m lmengine.distributed.worker --help`.
 
 The engine starts these itself (one process per rank, on this machine). For ranks on other
-machines, start them there with the same model folder and engine settings, e.g. with torchrun
-(`RANK` is read from its environment): they reach rank 0 at MASTER_ADDR:MASTER_PORT.
+machines, start them there with the same model folder and engine settings, one process per
+rank, by hand (`--rank`) or with torchrun (rank = `--rank-offset` + its `LOCAL_RANK`); they
+reach rank 0 at `--master-addr`:`--master-port` (the engine's MASTER_ADDR and MASTER_PORT).
 
 A worker loads its shard, reports "ok" (or its error) in the rendezvous store, joins the
 process group, agrees on the KV block count, then loops: receive a step's inputs, run the
@@ -126,13 +127,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--engine-config", default="{}", help="EngineConfig fields as JSON (tp at least)"
     )
-    parser.add_argument("--rank", type=int, default=None, help="default: $RANK (torchrun)")
+    parser.add_argument("--rank", type=int, default=None, help="default: offset + $LOCAL_RANK")
+    parser.add_argument(
+        "--rank-offset", type=int, default=0, help="with torchrun: the first rank of this node"
+    )
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--master-addr", default=os.environ.get("MASTER_ADDR", "127.0.0.1"))
     parser.add_argument("--master-port", type=int, default=os.environ.get("MASTER_PORT"))
     parser.add_argument("--parent-pid", type=int, default=None)
     args = parser.parse_args(argv)
-    rank = args.rank if args.rank is not None else int(os.environ["RANK"])
+    if args.rank is None and "LOCAL_RANK" not in os.environ:
+        parser.error("--rank is required outside torchrun")
+    rank = args.rank if args.rank is not None else args.rank_offset + int(os.environ["LOCAL_RANK"])
     cfg = EngineConfig(**json.loads(args.engine_config))
     if args.master_port is None:
         parser.error("--master-port (or MASTER_PORT) is required")
