@@ -27,8 +27,27 @@ PREEMPT = dict(block_size=4, num_gpu_blocks=24)
 
 @pytest.fixture(scope="module")
 def kv1_path(tmp_path_factory, smollm2_path) -> str:
-    """4 query heads, 1 KV head: with tp=2 both ranks hold the same KV head."""
-    return save_tiny_llama(tmp_path_factory.mktemp("tiny_kv1"), smollm2_path, num_key_value_heads=1)
+    """4 query heads, 1 KV head: with tp=2 both ranks hold the same KV head. Also tied
+    embeddings and random biases on every linear (colwise biases split per part, rowwise
+    biases added once)."""
+    from transformers import AutoModelForCausalLM
+
+    path = save_tiny_llama(
+        tmp_path_factory.mktemp("tiny_kv1"),
+        smollm2_path,
+        num_key_value_heads=1,
+        tie_word_embeddings=True,
+        attention_bias=True,
+        mlp_bias=True,
+    )
+    model = AutoModelForCausalLM.from_pretrained(path)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.copy_(torch.randn_like(p))
+    model.save_pretrained(path)
+    return path
 
 
 def _prompts(path: str) -> list[list[int]]:
@@ -102,6 +121,19 @@ def test_shards_hold_their_slice_only(tiny_llama_path, kv1_path):
     k = [m.model.layers[1].self_attn.qkv_proj.weight[32:48] for m in kv1]
     assert kv1[0].model.layers[1].self_attn.qkv_proj.output_sizes == [32, 16, 16]
     assert torch.equal(k[0], k[1])
+    assert kv1[0].lm_head.weight is kv1[0].model.embed_tokens.weight  # still tied
+    assert kv1[0].model.layers[0].self_attn.o_proj.bias is not None  # rank 0 adds it
+    assert kv1[1].model.layers[0].self_attn.o_proj.bias is None
+
+
+def test_vocab_shards_cover_the_vocabulary_once():
+    from lmengine.distributed.shard import _vocab_range
+
+    for vocab, tp in [(49152, 2), (49153, 2), (10, 4), (7, 8)]:
+        ranges = [_vocab_range(vocab, r, tp) for r in range(tp)]
+        rows = [i for start, stop, _ in ranges for i in range(start, stop)]
+        assert rows == list(range(vocab))
+        assert len({stop - start + pad for start, stop, pad in ranges}) == 1  # equal shards
 
 
 def test_tp2_fewer_kv_heads_than_ranks_then_a_worker_dies(kv1_path):
