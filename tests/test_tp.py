@@ -45,7 +45,7 @@ def kv1_path(tmp_path_factory, smollm2_path) -> str:
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith(".bias"):
-                p.copy_(torch.randn_like(p))
+                p.copy_(0.1 * torch.randn_like(p))  # larger biases made outputs repetitive
     model.save_pretrained(path)
     return path
 
@@ -122,8 +122,19 @@ def test_shards_hold_their_slice_only(tiny_llama_path, kv1_path):
     assert kv1[0].model.layers[1].self_attn.qkv_proj.output_sizes == [32, 16, 16]
     assert torch.equal(k[0], k[1])
     assert kv1[0].lm_head.weight is kv1[0].model.embed_tokens.weight  # still tied
-    assert kv1[0].model.layers[0].self_attn.o_proj.bias is not None  # rank 0 adds it
-    assert kv1[1].model.layers[0].self_attn.o_proj.bias is None
+    # biases: colwise ones split with their rows, rowwise ones on rank 0 only
+    full1, _ = load_shard(kv1_path, "float32", torch.device("cpu"), 0, 1, False)
+    full_attn, attn1 = full1.model.layers[0].self_attn, kv1[1].model.layers[0].self_attn
+    q_b, k_b, v_b = full_attn.qkv_proj.split(full_attn.qkv_proj.bias)
+    assert torch.equal(attn1.qkv_proj.bias, torch.cat([q_b[32:], k_b, v_b]))
+    gate_b, up_b = full1.model.layers[0].mlp.gate_up_proj.split(
+        full1.model.layers[0].mlp.gate_up_proj.bias
+    )
+    assert torch.equal(
+        kv1[1].model.layers[0].mlp.gate_up_proj.bias, torch.cat([gate_b[64:], up_b[64:]])
+    )
+    assert torch.equal(kv1[0].model.layers[0].self_attn.o_proj.bias, full_attn.o_proj.bias)
+    assert attn1.o_proj.bias is None
 
 
 def test_vocab_shards_cover_the_vocabulary_once():
