@@ -206,3 +206,36 @@ def test_bad_tp_settings_are_refused_before_start(tiny_llama_path):
     model = AutoModelForCausalLM.from_pretrained(tiny_llama_path)
     with pytest.raises(ValueError, match="from_pretrained"):
         Engine(model, None, EngineConfig(tp=2))
+
+
+def test_step_channel_round_trip_and_growth():
+    """The wire format and its protocol without processes: the broadcast is replaced by a
+    list that the sender appends to and the receiver reads in order."""
+    from lmengine.distributed.step import StepChannel, StepInputs
+
+    sender, receiver = StepChannel(torch.device("cpu"), 64), StepChannel(torch.device("cpu"), 64)
+    wire: list[torch.Tensor] = []
+    sender._broadcast = lambda: wire.append(sender.buffer.clone())
+    receiver._broadcast = lambda: receiver.buffer.copy_(wire.pop(0))
+    big = StepInputs(
+        swap_in=[(1, 2)],
+        swap_out=[(3, 4), (5, 6)],
+        copy=[],
+        token_ids=torch.arange(300),
+        start_pos=[0, 7],
+        q_lens=[299, 1],
+        needs_sample=[True, False],
+        block_tables=[list(range(75)), [80, 81]],
+    )
+    small = StepInputs([], [], [(9, 10)], torch.tensor([5]), [3], [1], [True], [[2]])
+    for inputs in (big, small, big):
+        sender.send(inputs)
+        got = receiver.receive()
+        assert not wire
+        for field in ("swap_in", "swap_out", "copy", "start_pos", "q_lens", "needs_sample"):
+            assert getattr(got, field) == getattr(inputs, field), field
+        assert got.block_tables == inputs.block_tables
+        assert torch.equal(got.token_ids, inputs.token_ids)
+    assert receiver.buffer.numel() == sender.buffer.numel() >= 8 + 300 + 75
+    sender.send(None)
+    assert receiver.receive() is None

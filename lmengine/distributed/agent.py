@@ -26,7 +26,7 @@ import torch.distributed as dist
 from lmengine.config import EngineConfig
 from lmengine.distributed.comm import TPGroup, backend_for, reset_tp_group, set_tp_group
 from lmengine.distributed.load import load_shard, local_checkpoint, weight_bytes
-from lmengine.distributed.step import StepInputs, broadcast_step, build_rank_runner
+from lmengine.distributed.step import StepChannel, StepInputs, build_rank_runner
 from lmengine.distributed.worker import (
     COLLECTIVE_TIMEOUT,
     STATUS_KEY,
@@ -161,6 +161,7 @@ class TPModelAgent(ModelAgent):
             )
             set_tp_group(TPGroup(0, cfg.tp, device))
             self.runner = build_rank_runner(self.model, self.info, cfg, device)
+            self.channel = StepChannel(device)
         except BaseException:
             self._shutdown(send_stop=False)
             raise
@@ -190,7 +191,7 @@ class TPModelAgent(ModelAgent):
         self._raise_if_failed()
         inputs = StepInputs.from_output(out)
         try:
-            broadcast_step(inputs, self.device)
+            self.channel.send(inputs)
             logits = self.runner.run(inputs)  # [num_samples, vocab]
         except Exception as e:
             time.sleep(0.2)  # NOTE: let the monitor see the dead process and name it
@@ -250,7 +251,7 @@ class TPModelAgent(ModelAgent):
         self._closing.set()
         if send_stop and dist.is_initialized():
             try:
-                broadcast_step(None, self.device)
+                self.channel.send(None)
             except Exception as e:  # a worker died meanwhile: kill() below cleans up
                 logger.warning("tensor-parallel stop message failed: %s", e)
         self.workers.kill(timeout=5.0 if send_stop else 0.0)

@@ -1,9 +1,10 @@
 """One step's inputs on the wire, and the step every rank runs from them.
 
 Rank 0 flattens what the model needs from a SchedulerOutput (tokens, positions, block tables,
-swaps) into one int64 tensor; a fixed 8-integer header announces its layout. Both go out with
-`broadcast`, as tensors, never pickled objects. Every rank, rank 0 included, unpacks the same
-tensor and builds its StepContext from it, so the ranks cannot disagree about a step.
+swaps) into one int64 tensor behind an 8-integer header that gives its layout, and sends both
+with one `broadcast` of a fixed-size buffer: tensors, never pickled objects. Every rank then
+builds its StepContext from the same StepInputs with the same code, so the ranks cannot
+disagree about a step.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from lmengine.models.context import StepContext, step_context
 from lmengine.models.model_info import ModelInfo
 from lmengine.scheduler.scheduler import SchedulerOutput
 
-CMD_STEP, CMD_STOP = 1, 2
+CMD_STEP, CMD_STOP, CMD_GROW = 1, 2, 3
 HEADER_SIZE = 8  # cmd, num_swap_in, num_swap_out, num_copy, num_tokens, num_seqs, num_table_ids,
 # payload size
 
@@ -109,27 +110,47 @@ class StepInputs:
         )
 
 
-def broadcast_step(inputs: StepInputs | None, device: torch.device) -> StepInputs | None:
-    """Rank 0 sends `inputs` (None: stop); other ranks pass None and get what it sent."""
-    if inputs is not None:
+class StepChannel:
+    """Rank 0 -> every rank: one `broadcast` per step of a fixed-size int64 buffer holding
+    the header and the payload. A step that does not fit first sends a "grow" header (one
+    extra broadcast) and every rank enlarges its buffer; the size then stays."""
+
+    def __init__(self, device: torch.device, capacity: int = 8192) -> None:
+        self.device = device
+        self.buffer = torch.zeros(HEADER_SIZE + capacity, dtype=torch.int64, device=device)
+
+    def _broadcast(self) -> None:
+        dist.broadcast(self.buffer, 0)
+
+    def send(self, inputs: StepInputs | None) -> None:
+        """Rank 0: send a step's inputs, or None to stop the workers."""
+        if inputs is None:
+            self.buffer[0] = CMD_STOP
+            self._broadcast()
+            return
         header, payload = inputs.pack()
-    elif dist.get_rank() == 0:
-        header, payload = torch.zeros(HEADER_SIZE, dtype=torch.int64), None
-        header[0] = CMD_STOP
-    else:
-        header, payload = torch.empty(HEADER_SIZE, dtype=torch.int64), None
-    header = header.to(device)
-    dist.broadcast(header, 0)
-    values = header.tolist()
-    if values[0] == CMD_STOP:
-        return None
-    if payload is None:
-        payload = torch.empty(values[-1], dtype=torch.int64, device=device)
-    else:
-        payload = payload.to(device)
-    if values[-1]:
-        dist.broadcast(payload, 0)
-    return inputs if inputs is not None else StepInputs.unpack(values, payload)
+        message = torch.cat([header, payload])  # [HEADER_SIZE + n]
+        if message.numel() > self.buffer.numel():
+            size = max(message.numel(), 2 * self.buffer.numel())
+            self.buffer[:2] = torch.tensor([CMD_GROW, size])
+            self._broadcast()
+            self.buffer = torch.zeros(size, dtype=torch.int64, device=self.device)
+        self.buffer[: message.numel()].copy_(message)
+        self._broadcast()
+
+    def receive(self) -> StepInputs | None:
+        """Other ranks: the next step's inputs, or None when rank 0 says stop."""
+        while True:
+            self._broadcast()
+            values = self.buffer.cpu()  # NOTE: one device-to-host copy per step
+            cmd = int(values[0])
+            if cmd == CMD_STOP:
+                return None
+            if cmd == CMD_GROW:
+                self.buffer = torch.zeros(int(values[1]), dtype=torch.int64, device=self.device)
+                continue
+            header = values[:HEADER_SIZE].tolist()
+            return StepInputs.unpack(header, values[HEADER_SIZE : HEADER_SIZE + header[-1]])
 
 
 class RankRunner:

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from lmengine.config import EngineConfig
 from lmengine.distributed.comm import TPGroup, backend_for, set_tp_group
 from lmengine.distributed.load import load_shard, weight_bytes
-from lmengine.distributed.step import broadcast_step, build_rank_runner
+from lmengine.distributed.step import StepChannel, build_rank_runner
 
 STATUS_KEY = "lmengine/tp/status/{rank}"
 # NOTE: an idle engine sends nothing for as long as it is idle, so collectives must not time
@@ -84,10 +84,8 @@ def run_worker(
     )
     set_tp_group(TPGroup(rank, cfg.tp, device))
     runner = build_rank_runner(model, info, cfg, device)
-    while True:
-        inputs = broadcast_step(None, device)
-        if inputs is None:
-            break
+    channel = StepChannel(device)
+    while (inputs := channel.receive()) is not None:
         runner.run(inputs)
     dist.destroy_process_group()
     return 0
