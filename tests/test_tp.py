@@ -57,7 +57,8 @@ def _prompts(path: str) -> list[list[int]]:
 
 
 def _run(path: str, tp: int, threads: int, **cfg) -> tuple[list, dict, Engine]:
-    engine = Engine.from_pretrained(path, EngineConfig(tp=tp, **cfg))
+    # NOTE: device="cpu": these tests are about gloo; on a GPU machine tp=2 would need 2 GPUs
+    engine = Engine.from_pretrained(path, EngineConfig(tp=tp, device="cpu", **cfg))
     got = run_threads(
         engine, _prompts(path), GenerationConfig(max_new_tokens=NEW), num_threads=threads
     )
@@ -185,7 +186,7 @@ def test_worker_that_fails_to_start(tiny_llama_path, monkeypatch):
 
     monkeypatch.setenv("LMENGINE_TP_FAULT", "start:1")
     with pytest.raises(TPWorkerError, match="rank 1 failed: .*injected start failure"):
-        Engine.from_pretrained(tiny_llama_path, EngineConfig(tp=2, num_gpu_blocks=8))
+        Engine.from_pretrained(tiny_llama_path, EngineConfig(tp=2, device="cpu", num_gpu_blocks=8))
     assert not dist.is_initialized()
 
 
@@ -200,7 +201,7 @@ def test_bad_tp_settings_are_refused_before_start(tiny_llama_path):
         cases.append((dict(tp=4), "CPU cores"))
     for cfg, message in cases:
         with pytest.raises(ValueError, match=message):
-            Engine.from_pretrained(tiny_llama_path, EngineConfig(**cfg))
+            Engine.from_pretrained(tiny_llama_path, EngineConfig(device="cpu", **cfg))
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_llama_path)
