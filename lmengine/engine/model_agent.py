@@ -108,3 +108,6 @@ class ModelAgent:
 
     def release(self, seq_id: int) -> None:
         self.sampler.release(seq_id)
+
+    def close(self) -> None:
+        """Release what outlives the engine loop (tensor-parallel workers); here nothing."""
