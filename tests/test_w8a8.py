@@ -208,3 +208,15 @@ def test_smoothing_keeps_the_float_function(tiny_llama_path):
         torch.testing.assert_close(
             mlp(layer.post_attention_layernorm(x)), mlp_ref(ref.post_attention_layernorm(x)), **tol
         )
+
+
+def test_quantize_cli_help_and_bad_calib_file(tiny_llama_path, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["quantize", "--help"])
+    assert exc.value.code == 0
+    help_text = capsys.readouterr().out
+    for flag in ("--out", "--calib-samples", "--calib-seqlen", "--alpha", "--calib-file"):
+        assert flag in help_text
+    argv = ["quantize", "w8a8", tiny_llama_path, "--out", str(tmp_path / "q")]
+    assert main(argv + ["--calib-file", str(tmp_path / "missing.txt")]) == 2
+    assert "no such file" in capsys.readouterr().err
