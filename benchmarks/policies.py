@@ -364,7 +364,8 @@ class Bench:
             "max_service_gap_tokens": gap,
             "vtc_bound_tokens": 2 * max_tok,
         }
-        self._plot(share_a, fair_samples)
+        stop_step = sum(1 for t, _ in samples if t <= a.qos_seconds)
+        self._plot(share_a, stop_step, fair_samples)
 
     @staticmethod
     def _at(samples, t: float) -> dict[str, int]:
@@ -377,20 +378,17 @@ class Bench:
         return last
 
     @staticmethod
-    def _share_series(samples, u: str, v: str, window_s: float = 5.0):
-        """(t, share of u in u+v tokens served over the last window_s seconds)."""
+    def _share_series(samples, u: str, v: str, window: int = 40):
+        """(step, share of u in the tokens served to u and v over the last `window` steps)."""
         series = []
-        j = 0
-        for t, s in samples:
-            while samples[j][0] < t - window_s:
-                j += 1
-            du = s.get(u, 0) - samples[j][1].get(u, 0)
-            dv = s.get(v, 0) - samples[j][1].get(v, 0)
-            if du + dv > 0 and t >= window_s:
-                series.append((t, du / (du + dv)))
+        for i in range(window, len(samples)):
+            now, then = samples[i][1], samples[i - window][1]
+            du, dv = now.get(u, 0) - then.get(u, 0), now.get(v, 0) - then.get(v, 0)
+            if du + dv > 0:
+                series.append((i, du / (du + dv)))
         return series
 
-    def _plot(self, share_a, fair_samples) -> None:
+    def _plot(self, share_a, stop_step: int, fair_samples) -> None:
         import matplotlib
 
         matplotlib.use("Agg")
@@ -404,10 +402,10 @@ class Bench:
             ax.plot(t, [1 - x for x in s], label="user b (quota 25 %)")
         ax.axhline(0.75, ls="--", c="gray")
         ax.axhline(0.25, ls="--", c="gray")
-        ax.axvline(self.args.qos_seconds, ls=":", c="k", label="clients stop (backlog drains)")
+        ax.axvline(stop_step, ls=":", c="k", label="clients stop (backlog drains)")
         ax.set(
-            title="Gold group: share of served tokens (5 s window)",
-            xlabel="time (s)",
+            title="Gold group: share of served tokens (last 40 steps)",
+            xlabel="engine step",
             ylabel="share",
             ylim=(0, 1),
         )
