@@ -208,3 +208,33 @@ def test_many_swaps_and_recomputes_happen_in_one_workload():
     assert sorted(finished) == list(range(16))
     assert s.num_swap_outs >= 5 and s.num_recomputes >= 5, s.stats()
     assert s.num_swap_ins == s.num_swap_outs
+
+
+def test_swapped_head_that_preempts_waits_a_step_before_swapping_in():
+    # batch 1: a runs; b (higher priority) arrives and swaps a out. Then a's effective priority
+    # overtakes b's (as aging can do): a preempts b, but may only swap in the next step
+    s = make_scheduler(max_batch=1, policy="priority", num_cpu_blocks=16)
+    cache = FakeCache(s.block_manager)
+    a, b = make_seq(0, 6, max_new=20, priority=1), make_seq(1, 5, max_new=20, priority=3)
+
+    def step():
+        out = s.schedule()
+        cache.run(out)
+        s.update(out, {it.seq.seq_id: 50 + it.seq.num_tokens for it in out.scheduled})
+        s.check_integrity()
+        assert not (out.blocks_to_swap_in and out.blocks_to_swap_out)
+        return out
+
+    s.add_sequence(a)
+    step()
+    step()
+    s.add_sequence(b)
+    assert step().swapped_out == [a]
+    step()
+    a.priority = 7
+    out = step()
+    assert out.swapped_out == [b] and not out.swapped_in and not out.scheduled
+    out = step()
+    assert out.swapped_in == [a] and [it.seq for it in out.scheduled] == [a]
+    for _ in range(3):
+        step()  # the fake cache checks that a and b read their own tokens

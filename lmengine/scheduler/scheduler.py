@@ -224,10 +224,13 @@ class Scheduler:
                     return bm.can_swap_in(seq, num_tokens)
                 return bm.can_allocate(seq, num_tokens)
 
-            if not fits() and not self._make_room(seq, num_tokens, admitted, out, now):
-                break
             if not fits():
-                break
+                if not self._make_room(seq, num_tokens, admitted, out, now):
+                    break
+                if is_swapped and out.swapped_out:
+                    break  # NOTE: the same hazard: it comes back next step, in the room made
+                if not fits():
+                    break
             if is_swapped:
                 pairs = bm.swap_in(seq)
                 out.blocks_to_swap_in.extend(pairs)
