@@ -61,6 +61,7 @@ def test_priority_arrival_preempts_a_lower_running_sequence_when_there_is_no_roo
     out = s.schedule()
     assert ids(it.seq for it in out.scheduled) == [1]
     assert out.swapped_out == [low] and low.status == SequenceStatus.SWAPPED
+    assert s.stats()["num_arrival_preemptions"] == 1
     s.check_integrity()
 
 

@@ -115,6 +115,8 @@ def test_parity_with_transformers_under_many_swaps_and_recomputes(
         stats = engine.stats()
         assert stats["num_swap_outs"] >= min_swaps and stats["num_recomputes"] >= 2, stats
         assert stats["num_swap_ins"] == stats["num_swap_outs"]
+        if policy == "priority":
+            assert stats["num_arrival_preemptions"] >= 1, "later, higher priorities preempt"
         assert recorder.num_checked == stats["num_swapped_blocks"] and not recorder.mismatches
         assert stats["num_free_blocks"] == stats["num_total_blocks"]
         assert stats["num_free_cpu_blocks"] == stats["num_total_cpu_blocks"] == num_cpu_blocks

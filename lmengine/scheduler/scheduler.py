@@ -100,6 +100,7 @@ class Scheduler:
         self.num_swap_outs = 0
         self.num_swap_ins = 0
         self.num_swapped_blocks = 0  # blocks copied to the host, in total
+        self.num_arrival_preemptions = 0  # running ones preempted to make room for a waiting one
         self._prefill_budget = 0
 
     # ---- admission and removal -------------------------------------------------------------
@@ -268,6 +269,7 @@ class Scheduler:
             need_slots -= 1
         if need_blocks > 0 or need_slots > 0:
             return False
+        self.num_arrival_preemptions += len(chosen)
         for victim in chosen:
             self._unschedule(victim, out)
             self.running.remove(victim)
@@ -357,6 +359,7 @@ class Scheduler:
             "num_swap_outs": self.num_swap_outs,
             "num_swap_ins": self.num_swap_ins,
             "num_swapped_blocks": self.num_swapped_blocks,
+            "num_arrival_preemptions": self.num_arrival_preemptions,
         }
         if self.qos is not None:
             states = {"waiting": self.waiting, "running": self.running, "swapped": self.swapped}
