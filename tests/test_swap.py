@@ -85,12 +85,13 @@ class SwapRecorder:
 
 
 @pytest.mark.parametrize(
-    "policy,num_cpu_blocks,min_swaps",
-    [("fcfs", 16, 4), ("priority", 16, 2)],
+    "policy,max_batch_size,min_swaps,min_recomputes",
+    [("fcfs", 128, 4, 2), ("priority", 4, 2, 0)],
 )
 def test_parity_with_transformers_under_many_swaps_and_recomputes(
-    tiny_case, policy, num_cpu_blocks, min_swaps
+    tiny_case, policy, max_batch_size, min_swaps, min_recomputes
 ):
+    num_cpu_blocks = 16
     path, prompts, expected = tiny_case
     # 24 prompts of 1-60 tokens + 20 new ones, 80 device token slots: the pool holds a few
     # sequences; the host pool holds some swapped ones, the rest fall back to recompute
@@ -100,6 +101,7 @@ def test_parity_with_transformers_under_many_swaps_and_recomputes(
         num_cpu_blocks=num_cpu_blocks,
         eviction_type="swap",
         scheduling_policy=policy,
+        max_batch_size=max_batch_size,
     )
     engine = Engine.from_pretrained(path, cfg)
     try:
@@ -113,7 +115,9 @@ def test_parity_with_transformers_under_many_swaps_and_recomputes(
             assert r.finish_reason in ("stop", "length"), r.error
             assert r.token_ids == exp, f"prompt {i} ({len(prompts[i])} tokens) differs"
         stats = engine.stats()
-        assert stats["num_swap_outs"] >= min_swaps and stats["num_recomputes"] >= 2, stats
+        assert stats["num_swap_outs"] >= min_swaps and stats["num_recomputes"] >= min_recomputes, (
+            stats
+        )
         assert stats["num_swap_ins"] == stats["num_swap_outs"]
         if policy == "priority":
             assert stats["num_arrival_preemptions"] >= 1, "later, higher priorities preempt"
@@ -177,7 +181,13 @@ def _run_with_priorities(engine, prompts, gen):
 
     half = len(prompts) // 2
     first = submit_at_once(engine, prompts[:half], gen, priorities=[i % 2 for i in range(half)])
-    time.sleep(0.3)
+    deadline = time.monotonic() + 60
+    while True:  # until the first wave runs and has a backlog: no room for newcomers
+        stats = engine.stats()
+        if stats["num_running"] and stats["num_waiting"] + stats["num_swapped"]:
+            break
+        assert time.monotonic() < deadline, "the first wave never ran with a backlog"
+        time.sleep(0.002)
     second = submit_at_once(
         engine,
         prompts[half:],
