@@ -25,6 +25,7 @@ setup(
     extras_require={
         "serve": ["fastapi>=0.110", "uvicorn>=0.29", "openai>=1.30"],
         "test": ["pytest>=8", "ruff>=0.6"],
+        "bench": ["matplotlib>=3.7,<4"],  # benchmarks/policies.py plots
     },
     entry_points={"console_scripts": ["lmengine=lmengine.cli:main"]},
 )

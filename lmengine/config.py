@@ -56,7 +56,8 @@ class EngineConfig:
     session_len: int | None = None  # max prompt + generated tokens; None = model's limit
     eviction_type: str = "recompute"  # how to preempt when blocks run out
     scheduling_policy: str = "fcfs"
-    qos_config_path: str | None = None
+    priority_aging_s: float = 0.0  # seconds of waiting worth one priority level; 0 = no aging
+    qos_config_path: str | None = None  # LMDeploy-QoS JSON: user groups and quotas
     adapters: dict[str, str] | None = None  # adapter name -> peft folder
     max_lora_slots: int = 8
     quant_policy: str | None = None  # "w8a8": int8 weights+activations (float ckpt: no smoothing)
@@ -79,6 +80,9 @@ class EngineConfig:
         _check_choice("eviction_type", self.eviction_type, EVICTION_TYPES)
         if not isinstance(self.scheduling_policy, str):
             raise ValueError(f"scheduling_policy must be a name, got {self.scheduling_policy!r}")
+        _check_range("priority_aging_s", self.priority_aging_s, 0)
+        if self.qos_config_path is not None and not isinstance(self.qos_config_path, str):
+            raise ValueError(f"qos_config_path must be a path, got {self.qos_config_path!r}")
         _check_int("max_lora_slots", self.max_lora_slots, 1)
         _check_choice("quant_policy", self.quant_policy, QUANT_POLICIES)
         _check_int("num_threads", self.num_threads, 0)
