@@ -54,3 +54,33 @@ def test_sampler_penalises_generated_tokens_only_and_changes_greedy_choice():
 def test_penalty_range_is_validated(name, value):
     with pytest.raises(ValueError, match=name):
         GenerationConfig(**{name: value})
+
+
+def test_request_fields_map_to_generation_config():
+    from lmengine.serve.app import _gen_configs
+    from lmengine.serve.protocol import ChatCompletionRequest
+
+    body = ChatCompletionRequest(
+        messages=[{"role": "user", "content": "hi"}],
+        n=2,
+        max_tokens=7,
+        temperature=0.5,
+        top_p=0.9,
+        top_k=-1,
+        stop="##",
+        seed=3,
+        presence_penalty=0.4,
+        frequency_penalty=-0.3,
+        repetition_penalty=1.2,
+        min_tokens=2,
+        ignore_eos=True,
+        stop_token_ids=[5],
+    )
+    a, b = _gen_configs(body, 1, body.max_tokens, 4, session_len=100)
+    assert (a.max_new_tokens, a.min_new_tokens, a.do_sample, a.temperature) == (7, 2, True, 0.5)
+    assert (a.top_p, a.top_k, a.stop_words, a.stop_token_ids) == (0.9, 0, ["##"], [5])
+    assert (a.presence_penalty, a.frequency_penalty, a.repetition_penalty) == (0.4, -0.3, 1.2)
+    assert a.ignore_eos and a.logprobs == 4
+    assert (a.random_seed, b.random_seed) == (3, 4)  # n choices draw differently
+    greedy = _gen_configs(body.model_copy(update={"temperature": 0}), 1, 7, None, 100)[0]
+    assert not greedy.do_sample

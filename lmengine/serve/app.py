@@ -92,7 +92,7 @@ def _gen_configs(
             try:
                 cfg = GenerationConfig(
                     max_new_tokens=max_tokens or session_len,
-                    min_new_tokens=min(body.min_tokens, max_tokens or session_len),
+                    min_new_tokens=body.min_tokens,
                     do_sample=body.temperature > 0,
                     temperature=body.temperature if body.temperature > 0 else 1.0,
                     top_k=max(body.top_k, 0),
@@ -387,7 +387,7 @@ def build_app(engine, settings: ServerSettings) -> FastAPI:
             body.priority,
             body.user_id or body.user,
         )
-        echo = [p if isinstance(p, str) else server.tokenizer.decode(p) for p in prompts]
+        echo = [p if isinstance(p, str) else None for p in prompts]
         return await run_job(
             job,
             request,
@@ -396,7 +396,14 @@ def build_app(engine, settings: ServerSettings) -> FastAPI:
             lambda: complete_stream(job, body, echo),
         )
 
-    def complete_nonstream(job: Job, body: CompletionRequest, echo: list[str]) -> dict:
+    def echo_texts(job: Job, body: CompletionRequest, echo: list[str | None]) -> list[str]:
+        """The prompts as text (token-id prompts decoded once the engine accepted them)."""
+        ids = [c.input_ids for c in job.choices[:: body.n]]
+        return [e if e is not None else server.tokenizer.decode(i) for e, i in zip(echo, ids)]
+
+    def complete_nonstream(job: Job, body: CompletionRequest, echo: list[str | None]) -> dict:
+        if body.echo:
+            echo = echo_texts(job, body, echo)
         choices = []
         for i, c in enumerate(job.choices):
             resp = c.final
@@ -425,6 +432,7 @@ def build_app(engine, settings: ServerSettings) -> FastAPI:
         sent_tokens = [0] * len(job.choices)
         offsets = [0] * len(job.choices)
         if body.echo:
+            echo = echo_texts(job, body, echo)
             for i in range(len(job.choices)):
                 yield _sse(chunk(rid, created, model, "text_completion", i, text=echo[i // body.n]))
         async for i, resp in job.responses():

@@ -8,12 +8,13 @@ that the OpenAPI document states them and a bad value is a 400 before the engine
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 MAX_CHOICES = 64  # n (x prompts) per request
 MAX_STOP_WORDS = 16
+TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
 
 
 class StreamOptions(BaseModel):
@@ -43,7 +44,7 @@ class _SamplingFields(BaseModel):
     repetition_penalty: float = Field(1.0, gt=0.0, le=100.0)
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
-    stop_token_ids: list[int] | None = Field(None, max_length=64)
+    stop_token_ids: list[TokenId] | None = Field(None, max_length=64)
     skip_special_tokens: bool = True
     priority: int | None = Field(None, ge=-(2**31), le=2**31 - 1)
     user_id: str | None = Field(None, max_length=256)  # the QoS user; default: `user`
