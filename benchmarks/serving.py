@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", type=int, nargs="+", default=None,
                    help="fixed numbers of requests in flight (default: 32)")  # fmt: skip
     p.add_argument("--request-rate", type=float, nargs="+", default=None,
-                   help="Poisson arrival rates in req/s (instead of a concurrency)")  # fmt: skip
+                   help="Poisson arrival rates in req/s (each its own run)")  # fmt: skip
     p.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="goodput target for TTFT")
     p.add_argument("--slo-tpot-ms", type=float, default=200.0, help="goodput target for TPOT")
     p.add_argument("--max-batch-size", type=int, default=64)
@@ -250,9 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     num = args.num_prompts or (16 if args.quick else 64)
     max_tokens = args.max_tokens or (16 if args.quick else 64)
     rates = args.request_rate
-    loads = [("rate", r) for r in rates] if rates else [
-        ("concurrency", c) for c in (args.concurrency or ([8] if args.quick else [32]))
-    ]  # fmt: skip
+    concurrencies = args.concurrency or ([] if rates else [8] if args.quick else [32])
+    loads = [("concurrency", c) for c in concurrencies] + [("rate", r) for r in rates or []]
     lines = [x for x in PROMPTS.read_text(encoding="utf-8").splitlines() if x.strip()]
     messages = [[{"role": "user", "content": lines[i % len(lines)]}] for i in range(num)]
     engine_flags = ["--max-batch-size", str(args.max_batch_size),
