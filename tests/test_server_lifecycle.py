@@ -107,3 +107,22 @@ def test_sigterm_finishes_running_stream_and_exits_0(limited):
     assert proc.wait(timeout=30) == 0
     with pytest.raises(httpx.HTTPError):
         httpx.get(url + "/health", timeout=2)
+
+
+def test_serve_help_lists_every_engine_field_and_server_flag():
+    import dataclasses
+
+    from lmengine.cli import build_parser
+    from lmengine.config import EngineConfig
+
+    parser = build_parser()
+    serve = parser._subparsers._group_actions[0].choices["serve"]
+    text = serve.format_help()
+    for f in dataclasses.fields(EngineConfig):
+        assert "--" + f.name.replace("_", "-") in text
+    for flag in ("--api-keys", "--max-queued-requests", "--request-timeout", "--chat-template",
+                 "--grace-period", "--host", "--port"):  # fmt: skip
+        assert flag in text
+    args = parser.parse_args(["serve", "some/model", "--block-size", "4", "--api-keys", "a", "b"])
+    assert args.model_path == "some/model" and args.api_keys == ["a", "b"]
+    assert getattr(args, "EngineConfig.block_size") == 4
