@@ -61,7 +61,16 @@ def test_patch_swaps_classes_and_keeps_weights(tiny_llama_path):
     assert not any(n in MODULE_MAP for n in names), "an HF class named in MODULE_MAP survived"
     assert sum(n in MODULE_MAP.values() for n in names) >= 5
     after = model.state_dict()
-    assert all(torch.equal(before[k], after[k]) for k in before)
+    # merged linears hold their parts stacked in order; every other weight is unchanged
+    merged = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+    for key, value in after.items():
+        owner, _, param = key.rpartition(".")
+        prefix, _, name = owner.rpartition(".")
+        if name in merged:
+            parts = [before[f"{prefix}.{part}.{param}"] for part in merged[name]]
+            assert torch.equal(value, torch.cat(parts)), key
+        else:
+            assert torch.equal(before[key], value), key
 
 
 def test_unsupported_architecture_is_a_clear_error():

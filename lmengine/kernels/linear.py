@@ -45,12 +45,3 @@ def linear(
     if packed is None or not _MIN_ROWS_FOR_PACKED <= x.shape[0] <= _MAX_ROWS_FOR_PACKED:
         return F.linear(x, weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
-
-
-def pack_module(module: torch.nn.Linear) -> None:
-    """Attach a packed copy of an nn.Linear's weight as `module.lmengine_packed`."""
-    module.lmengine_packed = pack_weight(module.weight)
-
-
-def linear_module(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    return linear(x, module.weight, module.bias, getattr(module, "lmengine_packed", None))

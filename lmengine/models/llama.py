@@ -8,7 +8,6 @@ history through the StepContext. The LM head runs only on the rows that are samp
 from __future__ import annotations
 
 import torch
-from torch import nn
 from transformers.models.llama.modeling_llama import (
     LlamaAttention,
     LlamaDecoderLayer,
@@ -19,8 +18,8 @@ from transformers.models.llama.modeling_llama import (
 )
 
 from lmengine.kernels import add_rms_norm, apply_rotary, fill_kv_cache, paged_attention, rms_norm
-from lmengine.kernels.linear import linear, linear_module, pack_module, pack_weight
 from lmengine.models.context import get_step_context
+from lmengine.models.layers import PackedLinear, merge_linears
 
 
 class PatchedRMSNorm(LlamaRMSNorm):
@@ -34,57 +33,27 @@ class PatchedRMSNorm(LlamaRMSNorm):
         return add_rms_norm(x, residual, self.weight, self.variance_epsilon)
 
 
-def fuse_linears(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Stack the weights (and biases) of linears sharing an input into one matrix, and make
-    each linear's parameters views into it: one GEMM instead of several, no extra memory."""
-    weight = torch.cat([lin.weight.detach() for lin in linears], 0)  # [sum_out, in]
-    has_bias = [lin.bias is not None for lin in linears]
-    bias = None
-    if any(has_bias):
-        parts = [
-            lin.bias.detach() if lin.bias is not None else weight.new_zeros(lin.out_features)
-            for lin in linears
-        ]
-        bias = torch.cat(parts)
-    offset = 0
-    for lin, with_bias in zip(linears, has_bias):
-        rows = slice(offset, offset + lin.out_features)
-        lin.weight = nn.Parameter(weight[rows], requires_grad=False)
-        if with_bias:
-            lin.bias = nn.Parameter(bias[rows], requires_grad=False)
-        offset += lin.out_features
-    return weight, bias
-
-
 class PatchedLlamaMLP(LlamaMLP):
     """SwiGLU with gate and up projections fused into one GEMM."""
 
     def lmengine_post_patch(self) -> None:
-        self.gate_up_weight, self.gate_up_bias = fuse_linears([self.gate_proj, self.up_proj])
-        self.gate_up_packed = pack_weight(self.gate_up_weight)
-        pack_module(self.down_proj)
+        merge_linears(self, "gate_up_proj", ["gate_proj", "up_proj"])
+        PackedLinear.convert(self.down_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # [num_tokens, 2 * intermediate]
-        gate_up = linear(x, self.gate_up_weight, self.gate_up_bias, self.gate_up_packed)
-        gate, up = gate_up.chunk(2, dim=-1)
-        return linear_module(self.down_proj, self.act_fn(gate) * up)
+        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))  # [num_tokens, intermediate]
+        return self.down_proj(self.act_fn(gate) * up)
 
 
 class PatchedLlamaAttention(LlamaAttention):
     def lmengine_post_patch(self) -> None:
-        self.qkv_weight, self.qkv_bias = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
-        self.qkv_sizes = [self.q_proj.out_features, self.k_proj.out_features]
-        self.qkv_sizes.append(self.v_proj.out_features)
-        self.qkv_packed = pack_weight(self.qkv_weight)
-        pack_module(self.o_proj)
+        merge_linears(self, "qkv_proj", ["q_proj", "k_proj", "v_proj"])
+        PackedLinear.convert(self.o_proj)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         ctx = get_step_context()
         num_tokens = hidden_states.shape[0]
-        # [num_tokens, q + k + v]
-        qkv = linear(hidden_states, self.qkv_weight, self.qkv_bias, self.qkv_packed)
-        q, k, v = qkv.split(self.qkv_sizes, dim=-1)
+        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden_states))  # [num_tokens, q/k/v size]
         # [num_tokens, heads, head_dim] and [num_tokens, kv_heads, head_dim]
         q = q.view(num_tokens, -1, self.head_dim)
         k = k.view(num_tokens, -1, self.head_dim)
@@ -93,7 +62,7 @@ class PatchedLlamaAttention(LlamaAttention):
         k_cache, v_cache = ctx.kv_caches[self.layer_idx]
         fill_kv_cache(k, v, k_cache, v_cache, ctx.slot_mapping)
         out = paged_attention(q, k_cache, v_cache, ctx.attn_meta, self.scaling)
-        return linear_module(self.o_proj, out.view(num_tokens, -1))
+        return self.o_proj(out.view(num_tokens, -1))
 
 
 class PatchedLlamaDecoderLayer(LlamaDecoderLayer):
@@ -126,10 +95,10 @@ class PatchedLlamaModel(LlamaModel):
 
 class PatchedLlamaForCausalLM(LlamaForCausalLM):
     def lmengine_post_patch(self) -> None:
-        pack_module(self.lm_head)
+        PackedLinear.convert(self.lm_head)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids: [num_tokens] -> logits of the sampled rows [num_samples, vocab]."""
         hidden_states = self.model(input_ids)
         hidden_states = hidden_states[get_step_context().logits_indices]
-        return linear_module(self.lm_head, hidden_states).float()
+        return self.lm_head(hidden_states).float()

@@ -1,0 +1,77 @@
+"""Linear layers of the patched models.
+
+Every linear of a patched model is a `PackedLinear` (one HF linear) or a `MergedLinear` (several
+HF linears sharing an input, stacked into one GEMM). Transforms applied after patching (tensor
+parallel sharding, w8a8, LoRA) find the linears by these types and by `source_names`, the HF
+names of the parts, so they never need to know a model's forward.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lmengine.kernels.linear import linear, pack_weight
+
+
+class PackedLinear(nn.Linear):
+    """An nn.Linear that runs on a oneDNN-packed copy of its weight where that is faster.
+
+    Whoever changes `weight` afterwards (sharding, quantization) calls `repack()`.
+    """
+
+    packed: torch.Tensor | None = None
+
+    @classmethod
+    def convert(cls, module: nn.Linear) -> PackedLinear:
+        """Turn an nn.Linear into a PackedLinear in place (the parameters stay)."""
+        module.__class__ = cls
+        module.repack()
+        return module
+
+    def repack(self) -> None:
+        self.packed = pack_weight(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias, self.packed)  # [num_tokens, out]
+
+
+class MergedLinear(PackedLinear):
+    """Linears sharing one input, stacked into one weight: one GEMM instead of several.
+
+    Rows `output_sizes[i]` of the output belong to the HF linear named `source_names[i]`.
+    """
+
+    def __init__(self, linears: dict[str, nn.Linear]) -> None:
+        nn.Module.__init__(self)
+        parts = list(linears.values())
+        weight = torch.cat([lin.weight.detach() for lin in parts], 0)  # [sum_out, in]
+        bias = None
+        if any(lin.bias is not None for lin in parts):
+            zeros = weight.new_zeros
+            bias = torch.cat(
+                [
+                    zeros(lin.out_features) if lin.bias is None else lin.bias.detach()
+                    for lin in parts
+                ]
+            )
+        self.in_features = parts[0].in_features
+        self.out_features = weight.shape[0]
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.source_names = list(linears)
+        self.output_sizes = [lin.out_features for lin in parts]
+        self.repack()
+
+    def split(self, out: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """[num_tokens, sum_out] -> one tensor per source linear."""
+        return out.split(self.output_sizes, dim=-1)
+
+
+def merge_linears(module: nn.Module, merged_name: str, names: list[str]) -> MergedLinear:
+    """Replace the child linears `names` of `module` with one MergedLinear `merged_name`."""
+    merged = MergedLinear({name: getattr(module, name) for name in names})
+    for name in names:
+        delattr(module, name)
+    setattr(module, merged_name, merged)
+    return merged
