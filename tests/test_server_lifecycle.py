@@ -34,8 +34,8 @@ def limited(tiny_llama_path, tmp_path_factory):
         tiny_llama_path,
         "--max-batch-size", "1",
         "--num-threads", "1",
-        "--max-queued-requests", "1",
-        "--request-timeout", "4",
+        "--max-queued-requests", "30",
+        "--request-timeout", "8",
         "--grace-period", "20",
         "--chat-template", str(template),
     )  # fmt: skip
@@ -46,31 +46,34 @@ def limited(tiny_llama_path, tmp_path_factory):
 
 
 def test_queue_limit_429_then_timeout_504_frees_blocks(limited):
+    # one sequence per batch: A's 16 choices of 1000 tokens run one after another, far longer
+    # than the 8 s timeout on any machine; B queues behind them; C is over the queue limit.
     proc, url = limited
     long = {"prompt": "x", "max_tokens": 1000, "temperature": 0, "ignore_eos": True}
     results = {}
 
-    def stream_a():  # holds the only batch slot until its timeout
-        with httpx.stream("POST", url + "/v1/completions", json={**long, "stream": True},
-                          timeout=30) as r:  # fmt: skip
+    def stream_a():
+        body = {**long, "stream": True, "n": 16}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
             results["a"] = (r.status_code, [line for line in r.iter_lines() if line])
 
-    def wait_b():  # queued behind A, times out too
-        results["b"] = httpx.post(url + "/v1/completions", json=long, timeout=30)
+    def wait_b():
+        results["b"] = httpx.post(url + "/v1/completions", json={**long, "n": 14}, timeout=30)
 
     a = threading.Thread(target=stream_a)
     a.start()
-    until(lambda: metrics(url)["lmengine_num_requests_running"] == 1)
+    until(lambda: metrics(url)["lmengine_server_requests_queued"] == 15)
     b = threading.Thread(target=wait_b)
     b.start()
-    until(lambda: metrics(url)["lmengine_server_requests_queued"] == 1)
-    c = httpx.post(url + "/v1/completions", json=long, timeout=30)
+    until(lambda: metrics(url)["lmengine_server_requests_queued"] == 29)
+    c = httpx.post(url + "/v1/completions", json={**long, "n": 2}, timeout=30)
     assert c.status_code == 429 and c.headers["retry-after"] == "1"
     assert c.json()["error"]["code"] == "too_many_requests"
     a.join(30)
     b.join(30)
     status, lines = results["a"]
-    assert status == 200 and '"timeout"' in lines[-2] and lines[-1] == "data: [DONE]"
+    assert status == 200 and lines[0].startswith("data: ")
+    assert '"timeout"' in lines[-2] and lines[-1] == "data: [DONE]"
     assert results["b"].status_code == 504
     assert results["b"].json()["error"]["type"] == "timeout"
     m = wait_idle(url)

@@ -576,8 +576,8 @@ def build_app(engine, settings: ServerSettings) -> FastAPI:
     async def run_job(
         job: Job, request: Request, body, nonstream, stream, media="text/event-stream"
     ):
-        """Wait for the first response of every choice (so a refusal is a 4xx, not a broken
-        stream), then answer whole or stream; a client that leaves cancels the job."""
+        """Wait for the job's first response (so a refusal is a 4xx, not a broken stream),
+        then answer whole or stream; a client that leaves cancels the job."""
         watcher = asyncio.create_task(job.watch_disconnect(request))
         try:
             await job.wait_started()

@@ -113,7 +113,7 @@ class Job:
         self.deadline = self.start + timeout if timeout else None
         self.num_started = 0
         self.num_done = 0
-        self.started = asyncio.Event()  # every choice has its first response
+        self.started = asyncio.Event()  # a choice has its first response
         self.cancel_reason: str | None = None
 
     # ---- submission ---------------------------------------------------------------------------
@@ -162,8 +162,7 @@ class Job:
             if resp.generate_token_len > 0:
                 self.metrics.ttft.observe(now - self.start)
             self.num_started += 1
-            if self.num_started == len(self.choices):
-                self.started.set()
+            self.started.set()
             if resp.finish_reason == "error" and resp.generate_token_len == 0:
                 # refused: the whole request fails, its other choices are cancelled
                 self.queue.put_nowait((index, resp))
@@ -215,7 +214,9 @@ class Job:
 
     # ---- the event loop: waiting --------------------------------------------------------------
     async def wait_started(self) -> None:
-        """Wait for every choice's first response; raise the HTTP error of a refusal."""
+        """Wait for the first response of the job (a token, or the engine's refusal: then
+        raise its HTTP error). NOTE: choices share prompt and config, so the engine refuses
+        all or none of them; a refusal of one cancels the others."""
         try:
             await asyncio.wait_for(self.started.wait(), self.remaining())
         except TimeoutError:
