@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lmengine.config import GenerationConfig
 from lmengine.engine.request import Response
-from lmengine.serve.jobs import APIError, Job, ResponseRouter
+from lmengine.serve.jobs import APIError, Job, ResponseRouter, engine_error
 from lmengine.serve.metrics import ServerMetrics
 from lmengine.serve.protocol import (
     MAX_CHOICES,
@@ -39,6 +39,7 @@ from lmengine.serve.protocol import (
 
 logger = logging.getLogger("lmengine.serve")
 
+MIN_LOGPROB = -9999.0  # NOTE: JSON has no -inf; OpenAI and vLLM clamp the same way
 FINISH_REASONS = {"stop": "stop", "length": "length", "cancel": "abort", "error": "error"}
 
 
@@ -209,12 +210,12 @@ class OpenAIServer:
             out.append(
                 {
                     "token": text,
-                    "logprob": dist.get(tok, float("-inf")),
+                    "logprob": max(dist.get(tok, MIN_LOGPROB), MIN_LOGPROB),
                     "bytes": list(text.encode("utf-8")),
                     "top_logprobs": [
                         {
                             "token": self.token_text(t),
-                            "logprob": lp,
+                            "logprob": max(lp, MIN_LOGPROB),
                             "bytes": list(self.token_text(t).encode("utf-8")),
                         }
                         for t, lp in top
@@ -230,9 +231,9 @@ class OpenAIServer:
         for tok, dist in zip(resp.token_ids[start:], (resp.logprobs or [])[start:]):
             text = self.token_text(tok)
             tokens.append(text)
-            token_lps.append(dist.get(tok, float("-inf")))
+            token_lps.append(max(dist.get(tok, MIN_LOGPROB), MIN_LOGPROB))
             top = sorted(dist.items(), key=lambda kv: -kv[1])[:num_top]
-            tops.append({self.token_text(t): lp for t, lp in top})
+            tops.append({self.token_text(t): max(lp, MIN_LOGPROB) for t, lp in top})
             offsets.append(offset)
             offset += len(text)
         body = {
@@ -584,6 +585,12 @@ def build_app(engine, settings: ServerSettings) -> FastAPI:
             if not body.stream:
                 async for _ in job.responses():
                     pass
+                failed = [c.final for c in job.choices if c.final.finish_reason == "error"]
+                if failed:  # failed while generating (the engine died or closed)
+                    err = engine_error(failed[0].error or "generation failed")
+                    if err.status == 400:
+                        err = APIError(500, err.message, "server_error")
+                    raise err
                 return nonstream()
         except BaseException:
             job.cancel("failed")
