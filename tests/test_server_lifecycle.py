@@ -1,7 +1,7 @@
-"""The server's limits and lifecycle, on a second tiny server with one sequence per batch:
---max-queued-requests (429 + Retry-After), --request-timeout (504, blocks freed),
---chat-template FILE, QoS endpoints off without a QoS config, graceful SIGTERM (the running
-stream finishes, the process exits 0)."""
+"""The server's limits and lifecycle, on a second server, SmolLM2 with one sequence per batch:
+real text through a `--chat-template FILE`, --max-queued-requests (429 + Retry-After),
+--request-timeout (504, blocks freed), QoS endpoints off without a QoS config, graceful
+SIGTERM (the running stream finishes, the process exits 0)."""
 
 from __future__ import annotations
 
@@ -9,13 +9,15 @@ import signal
 import threading
 import time
 
+import openai
 import pytest
 
 from tests.test_server import httpx, metrics, start_server, wait_idle
 
+# SmolLM2's ChatML without its default system prompt
 TEMPLATE = (
-    "{% for m in messages %}<<{{ m['role'] }}>> {{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}<<assistant>>{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
 
@@ -27,17 +29,18 @@ def until(condition, timeout: float = 10.0) -> None:
 
 
 @pytest.fixture(scope="module")
-def limited(tiny_llama_path, tmp_path_factory):
+def limited(smollm2_path, tmp_path_factory):
     template = tmp_path_factory.mktemp("template") / "chat.jinja"
     template.write_text(TEMPLATE)
     proc, url = start_server(
-        tiny_llama_path,
+        smollm2_path,
         "--max-batch-size", "1",
         "--num-threads", "1",
         "--max-queued-requests", "30",
         "--request-timeout", "8",
         "--grace-period", "20",
         "--chat-template", str(template),
+        "--served-model-name", "SmolLM2",
     )  # fmt: skip
     yield proc, url
     if proc.poll() is None:
@@ -80,21 +83,35 @@ def test_queue_limit_429_then_timeout_504_frees_blocks(limited):
     assert m["lmengine_kv_blocks_used"] == 0 and m["lmengine_server_requests_queued"] == 0
 
 
-def test_chat_template_file_and_qos_off(limited, tiny_llama_path):
+def test_real_text_through_the_chat_template_file(limited, smollm2_path):
     from transformers import AutoTokenizer
 
     _, url = limited
-    r = httpx.post(url + "/v1/chat/completions", json={
-        "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 2,
-    })  # fmt: skip
-    assert r.status_code == 200, r.text
-    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_path)
-    want = tokenizer("<<user>> hello there\n<<assistant>>")["input_ids"]
-    assert r.json()["usage"]["prompt_tokens"] == len(want)
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    r = client.chat.completions.create(
+        model="SmolLM2", messages=messages, max_tokens=20, temperature=0
+    )
+    assert r.choices[0].message.content == "The capital of France is Paris."
+    assert r.choices[0].finish_reason == "stop"
+    chunks = client.chat.completions.create(
+        model="SmolLM2", messages=messages, max_tokens=20, temperature=0, stream=True
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == r.choices[0].message.content
+    want = AutoTokenizer.from_pretrained(smollm2_path).apply_chat_template(
+        messages, chat_template=TEMPLATE, add_generation_prompt=True, tokenize=True,
+        return_dict=False,
+    )  # fmt: skip
+    assert r.usage.prompt_tokens == len(want)  # the file's template, not the tokenizer's
+
+
+def test_qos_endpoints_are_off_without_a_qos_config(limited):
+    _, url = limited
+    paths = httpx.get(url + "/openapi.json").json()["paths"]
     for path in ("/v1/chat/completions_qos", "/v1/completions_qos", "/v1/chat/interactive_qos"):
         r = httpx.post(url + path, json={"prompt": "x"})
         assert r.status_code == 404 and "qos" in r.json()["error"]["message"].lower()
-        assert path not in httpx.get(url + "/openapi.json").json()["paths"]
+        assert path not in paths
 
 
 def test_sigterm_finishes_running_stream_and_exits_0(limited):
