@@ -92,14 +92,13 @@ class ServerMetrics:
             gauge(name, help_text, stats.get(key, 0), kind)
         used = stats.get("num_total_blocks", 0) - stats.get("num_free_blocks", 0)
         gauge("lmengine_kv_blocks_used", "device KV blocks in use", used)
-        # any other numeric engine stat, and per-group dicts such as QoS counters
+        # any other numeric engine stat, and nested ones such as the QoS counters
+        nested: dict[str, list[str]] = {}
         for key, value in sorted(stats.items()):
-            if key in ENGINE_GAUGES:
-                continue
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                gauge(f"lmengine_{_name(key)}", f"engine stat {key}", value)
-            elif isinstance(value, dict):
-                lines.extend(self._grouped(_name(key), value))
+            if key not in ENGINE_GAUGES:
+                _walk(f"lmengine_{_name(key)}", str(key), value, (), nested)
+        for name, samples in nested.items():
+            lines += [f"# HELP {name} engine stat", f"# TYPE {name} gauge", *samples]
         gauge("lmengine_server_requests_in_flight", "choices being generated", self.num_in_flight)
         gauge("lmengine_server_requests_queued", "choices without a first token", self.num_queued)
         gauge("lmengine_prompt_tokens_total", "prompt tokens", self.prompt_tokens, "counter")
@@ -128,22 +127,29 @@ class ServerMetrics:
             lines += hist.render()
         return "\n".join(lines) + "\n"
 
-    @staticmethod
-    def _grouped(key: str, groups: dict) -> list[str]:
-        """`{group: {counter: value}}` -> `lmengine_<key>_<counter>{group="..."} value`."""
-        by_metric: dict[str, list[str]] = {}
-        for group, counters in sorted(groups.items(), key=lambda kv: str(kv[0])):
-            if isinstance(counters, (int, float)) and not isinstance(counters, bool):
-                counters = {"value": counters}
-            if not isinstance(counters, dict):
-                continue
-            for counter, value in counters.items():
-                if isinstance(value, (int, float)) and not isinstance(value, bool):
-                    name = f"lmengine_{key}_{_name(counter)}"
-                    by_metric.setdefault(name, []).append(
-                        f'{name}{{group="{_label(group)}"}} {value}'
-                    )
-        lines = []
-        for name, samples in by_metric.items():
-            lines += [f"# HELP {name} engine stat {key}", f"# TYPE {name} gauge", *samples]
-        return lines
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _walk(name: str, key: str, value, labels: tuple, out: dict[str, list[str]]) -> None:
+    """Flatten one engine stat into samples. A dict under a plural key whose values are all
+    flat dicts is a label dimension (`"groups": {"Gold": {"num_waiting": 1}}` ->
+    `..._groups_num_waiting{group="Gold"} 1`); any other dict extends the metric name;
+    numbers are samples; anything else is skipped."""
+    if _is_number(value):
+        text = ",".join(f'{k}="{_label(v)}"' for k, v in labels)
+        out.setdefault(name, []).append(f"{name}{{{text}}} {value}" if text else f"{name} {value}")
+    elif isinstance(value, dict) and value:
+        rows = all(isinstance(v, dict) for v in value.values())
+        if (
+            rows
+            and key.endswith("s")
+            and not any(isinstance(x, dict) for v in value.values() for x in v.values())
+        ):
+            label = _name(key[:-1])
+            for k, v in sorted(value.items(), key=lambda kv: str(kv[0])):
+                _walk(name, "", v, (*labels, (label, k)), out)
+        else:
+            for k, v in value.items():
+                _walk(f"{name}_{_name(k)}", str(k), v, labels, out)
