@@ -45,7 +45,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model: str, *flags: str, timeout: float = 180.0) -> tuple[subprocess.Popen, str]:
+def start_server(model: str, *flags: str, timeout: float = 400.0) -> tuple[subprocess.Popen, str]:
     """`python -m lmengine serve MODEL --port P ...`; returns once /health answers."""
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
