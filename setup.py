@@ -23,8 +23,10 @@ setup(
         "numpy>=1.24",
     ],
     extras_require={
-        "serve": ["fastapi>=0.110", "uvicorn>=0.29", "openai>=1.30"],
-        "test": ["pytest>=8", "ruff>=0.6"],
+        # tested: fastapi 0.165, uvicorn 0.54, openai 3.54 (server tests use the client)
+        "serve": ["fastapi>=0.110,<1", "uvicorn>=0.29,<1", "openai>=1.30,<4"],
+        # tested: schemathesis 4.32 (the OpenAPI fuzz test of the server)
+        "test": ["pytest>=8", "ruff>=0.6", "schemathesis>=4.0,<5"],
         "bench": ["matplotlib>=3.7,<4"],  # benchmarks/policies.py plots
     },
     entry_points={"console_scripts": ["lmengine=lmengine.cli:main"]},

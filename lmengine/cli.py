@@ -1,4 +1,4 @@
-"""The `lmengine` command: generate, chat, bench, quantize.
+"""The `lmengine` command: generate, chat, bench, serve, quantize.
 
 Engine and generation flags are generated from the `EngineConfig` and `GenerationConfig`
 dataclasses (help text from their field comments), so the flags and the configs never drift.
@@ -275,6 +275,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_flags(bench)
     bench.set_defaults(func=cmd_bench)
     _add_quantize_parser(sub)
+
+    from lmengine.serve.server import add_serve_flags, cmd_serve
+
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (lmengine/serve)")
+    add_serve_flags(serve)
+    serve.set_defaults(func=cmd_serve)
     return parser
 
 

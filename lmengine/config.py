@@ -105,6 +105,8 @@ class GenerationConfig:
     top_k: int = 0  # 0 = no top-k filter
     top_p: float = 1.0
     repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0  # OpenAI: minus this from the logit of every generated token
+    frequency_penalty: float = 0.0  # OpenAI: minus this times its count in the generated tokens
     no_repeat_ngram_size: int = 0
     stop_words: list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -127,6 +129,8 @@ class GenerationConfig:
         _check_int("top_k", self.top_k, 0)
         _check_range("top_p", self.top_p, 0, 1, low_open=True)
         _check_range("repetition_penalty", self.repetition_penalty, 0, low_open=True)
+        _check_range("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         _check_int("no_repeat_ngram_size", self.no_repeat_ngram_size, 0)
         if self.stop_words is not None:
             if isinstance(self.stop_words, str):
