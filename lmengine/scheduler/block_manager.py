@@ -10,36 +10,49 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 
+from lmengine.scheduler.prefix_cache import PrefixCache, block_key
 from lmengine.scheduler.sequence import Sequence
 
 
 class BlockPool:
-    """A fixed set of block ids with a free list and per-block reference counts."""
+    """A fixed set of block ids with a free list and per-block reference counts.
 
-    def __init__(self, num_blocks: int, name: str = "device") -> None:
+    With a `cache` (prefix caching), a block whose last reference goes away but which holds a
+    cached prefix stays out of the free list as evictable; it still counts as free and is
+    evicted (least recently used first) only when the free list is empty.
+    """
+
+    def __init__(self, num_blocks: int, name: str = "device", cache: PrefixCache | None = None):
         self.name = name
         self.num_blocks = num_blocks
         self.free_ids: deque[int] = deque(range(num_blocks))
         self.ref_counts = [0] * num_blocks
+        self.cache = cache
 
     @property
     def num_free(self) -> int:
-        return len(self.free_ids)
+        return len(self.free_ids) + (len(self.cache.evictable) if self.cache is not None else 0)
 
     def allocate(self, num: int) -> list[int]:
-        if num > len(self.free_ids):
+        if num > self.num_free:
             raise RuntimeError(f"{self.name} pool: asked for {num} blocks, {self.num_free} free")
-        ids = [self.free_ids.popleft() for _ in range(num)]
+        ids = [self.free_ids.popleft() if self.free_ids else self.cache.evict() for _ in range(num)]
         for i in ids:
             self.ref_counts[i] = 1
         return ids
+
+    def acquire(self, block_id: int) -> None:
+        """One more reference to a cached block (it leaves the evictable set if it was there)."""
+        if self.ref_counts[block_id] == 0:
+            self.cache.unpark(block_id)
+        self.ref_counts[block_id] += 1
 
     def free(self, block_ids: Iterable[int]) -> None:
         for i in block_ids:
             if self.ref_counts[i] <= 0:
                 raise RuntimeError(f"{self.name} pool: block {i} freed twice")
             self.ref_counts[i] -= 1
-            if self.ref_counts[i] == 0:
+            if self.ref_counts[i] == 0 and not (self.cache is not None and self.cache.park(i)):
                 self.free_ids.append(i)
 
     def check_integrity(self, owners: Iterable[list[int]] = ()) -> None:
@@ -50,7 +63,11 @@ class BlockPool:
         for i in free:
             assert self.ref_counts[i] == 0, f"{self.name}: free block {i} has references"
         used = [i for i, c in enumerate(self.ref_counts) if c > 0]
-        assert len(used) + len(free) == self.num_blocks, f"{self.name}: blocks lost"
+        parked = list(self.cache.evictable) if self.cache is not None else []
+        assert not set(parked) & set(free), f"{self.name}: evictable block in the free list"
+        assert len(used) + len(free) + len(parked) == self.num_blocks, f"{self.name}: blocks lost"
+        if self.cache is not None:
+            self.cache.check_integrity(self.ref_counts)
         counts = [0] * self.num_blocks
         for table in owners:
             for i in table:
@@ -62,10 +79,66 @@ class BlockPool:
 class BlockManager:
     """Device and host block pools for one engine; allocates blocks to sequences."""
 
-    def __init__(self, num_gpu_blocks: int, num_cpu_blocks: int, block_size: int) -> None:
+    def __init__(
+        self,
+        num_gpu_blocks: int,
+        num_cpu_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = False,
+    ) -> None:
         self.block_size = block_size
-        self.device = BlockPool(num_gpu_blocks, "device")
+        self.prefix_cache = PrefixCache() if enable_prefix_caching else None
+        self.device = BlockPool(num_gpu_blocks, "device", self.prefix_cache)
         self.host = BlockPool(num_cpu_blocks, "host")
+        self.num_prefix_hit_blocks = 0  # cached blocks reused by admitted sequences, in total
+
+    # ---- prefix caching ----------------------------------------------------------------------
+    def _key(self, seq: Sequence, i: int) -> bytes:
+        """Key of `seq`'s full block i (keys of blocks 0..i-1 are in seq.block_keys)."""
+        bs = self.block_size
+        prev = seq.block_keys[i - 1] if i else None
+        return block_key(prev, seq.adapter_name, seq.token_ids[i * bs : (i + 1) * bs])
+
+    def acquire_prefix(self, seq: Sequence) -> int:
+        """Give a sequence without blocks every cached block of its longest cached prefix
+        (never its last token: it must be computed to have logits); marks those tokens
+        computed and returns how many there are."""
+        if self.prefix_cache is None or seq.block_table or seq.num_computed_tokens:
+            return 0
+        cache = self.prefix_cache
+        seq.block_keys = []
+        for i in range((seq.num_tokens - 1) // self.block_size):
+            key = self._key(seq, i)
+            block_id = cache.block_of.get(key)
+            if block_id is None:
+                break
+            self.device.acquire(block_id)
+            seq.block_table.append(block_id)
+            seq.block_keys.append(key)
+        seq.num_computed_tokens = len(seq.block_table) * self.block_size
+        self.num_prefix_hit_blocks += len(seq.block_table)
+        return seq.num_computed_tokens
+
+    def release_prefix(self, seq: Sequence) -> None:
+        """Undo `acquire_prefix` for a sequence that was not admitted after all."""
+        self.num_prefix_hit_blocks -= len(seq.block_table)
+        self.free(seq)
+        seq.num_computed_tokens = 0
+
+    def commit(self, seq: Sequence) -> None:
+        """Publish `seq`'s newly computed full blocks in the prefix cache."""
+        if self.prefix_cache is None:
+            return
+        num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        for i in range(len(seq.block_keys), num_full):
+            key = self._key(seq, i)
+            seq.block_keys.append(key)
+            # NOTE: when another block already holds this prefix, this one stays private
+            self.prefix_cache.register(key, seq.block_table[i])
+
+    def num_freeable_blocks(self, seq: Sequence) -> int:
+        """Device blocks that preempting `seq` gives back (shared ones stay with the others)."""
+        return sum(1 for b in seq.block_table if self.device.ref_counts[b] == 1)
 
     def num_required_blocks(self, seq: Sequence, num_tokens: int) -> int:
         """Blocks `seq` still needs so that its first `num_tokens` tokens have slots."""
@@ -88,6 +161,7 @@ class BlockManager:
         """Release every block `seq` holds, on the device and on the host."""
         self.device.free(seq.block_table)
         seq.block_table = []
+        seq.block_keys = []
         self.host.free(seq.host_block_table)
         seq.host_block_table = []
 
@@ -103,7 +177,9 @@ class BlockManager:
         """Move `seq`'s cached blocks to the host pool; returns (device_id, host_id) pairs.
 
         NOTE: the device blocks are free again at once. The CacheEngine copies them out before
-        the step's forward writes anything, so a block reused in the same step is safe.
+        the step's forward writes anything, so a block reused in the same step is safe. Blocks
+        shared through the prefix cache are copied too (the host copy is private to `seq`);
+        only the reference of `seq` is dropped, the other holders keep them.
         """
         num = self.num_cached_blocks(seq)
         host_ids = self.host.allocate(num)
@@ -125,6 +201,9 @@ class BlockManager:
         self.host.free(seq.host_block_table)
         seq.host_block_table = []
         seq.block_table = device_ids
+        if self.prefix_cache is not None:  # publish the full blocks again where nobody has
+            for key, block_id in zip(seq.block_keys, device_ids):
+                self.prefix_cache.register(key, block_id)
         return pairs
 
     @property

@@ -101,6 +101,8 @@ class Scheduler:
         self.num_swap_ins = 0
         self.num_swapped_blocks = 0  # blocks copied to the host, in total
         self.num_arrival_preemptions = 0  # running ones preempted to make room for a waiting one
+        self.num_computed_prompt_tokens = 0  # prompt tokens run through the model (prefill)
+        self.num_prefix_cached_tokens = 0  # prompt tokens taken from the prefix cache instead
         self._prefill_budget = 0
 
     # ---- admission and removal -------------------------------------------------------------
@@ -208,43 +210,59 @@ class Scheduler:
         bm = self.block_manager
         admitted: set[int] = set()
         for seq in self.order([*self.swapped, *self.waiting], now):
-            num_new = self._num_new_tokens(seq)
-            if num_new == 0:
-                break  # NOTE: strict order: nobody overtakes the head of the queue
             is_swapped = seq.status == SequenceStatus.SWAPPED
-            if is_swapped and out.swapped_out:
-                # NOTE: swap-ins are copied before swap-outs; a device block freed by a
-                # swap-out this step must not receive a swap-in in the same step
-                break
-            num_tokens = seq.num_computed_tokens + num_new
+            # prefix caching: a waiting sequence takes the cached blocks of its prefix first,
+            # and gives them back when it is not admitted after all
+            num_cached = 0 if is_swapped else bm.acquire_prefix(seq)
+            if not self._admit_one(seq, is_swapped, admitted, out, now):
+                if num_cached:
+                    bm.release_prefix(seq)
+                break  # NOTE: strict order: nobody overtakes the head of the queue
+            self.num_prefix_cached_tokens += num_cached
 
-            def fits(seq=seq, is_swapped=is_swapped, num_tokens=num_tokens) -> bool:
-                if len(self.running) >= self.max_batch_size:
-                    return False
-                if is_swapped:
-                    return bm.can_swap_in(seq, num_tokens)
-                return bm.can_allocate(seq, num_tokens)
+    def _admit_one(
+        self, seq: Sequence, is_swapped: bool, admitted: set[int], out: SchedulerOutput, now: float
+    ) -> bool:
+        """Admit one swapped or waiting sequence if it fits, making room when it outranks
+        running ones; False when it does not (admission stops there)."""
+        bm = self.block_manager
+        num_new = self._num_new_tokens(seq)
+        if num_new == 0:
+            return False
+        if is_swapped and out.swapped_out:
+            # NOTE: swap-ins are copied before swap-outs; a device block freed by a
+            # swap-out this step must not receive a swap-in in the same step
+            return False
+        num_tokens = seq.num_computed_tokens + num_new
 
-            if not fits():
-                if not self._make_room(seq, num_tokens, admitted, out, now):
-                    break
-                if is_swapped and out.swapped_out:
-                    break  # NOTE: the same hazard: it comes back next step, in the room made
-                if not fits():
-                    break
+        def fits() -> bool:
+            if len(self.running) >= self.max_batch_size:
+                return False
             if is_swapped:
-                pairs = bm.swap_in(seq)
-                out.blocks_to_swap_in.extend(pairs)
-                out.swapped_in.append(seq)
-                self.swapped.remove(seq)
-                self.num_swap_ins += 1
-            else:
-                self.waiting.remove(seq)
-            bm.allocate(seq, num_tokens)
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            admitted.add(seq.seq_id)
-            self._emit(seq, num_new, out)
+                return bm.can_swap_in(seq, num_tokens)
+            return bm.can_allocate(seq, num_tokens)
+
+        if not fits():
+            if not self._make_room(seq, num_tokens, admitted, out, now):
+                return False
+            if is_swapped and out.swapped_out:
+                return False  # NOTE: the same hazard: it comes back next step, in the room made
+            if not fits():
+                return False
+        if is_swapped:
+            pairs = bm.swap_in(seq)
+            out.blocks_to_swap_in.extend(pairs)
+            out.swapped_in.append(seq)
+            self.swapped.remove(seq)
+            self.num_swap_ins += 1
+        else:
+            self.waiting.remove(seq)
+        bm.allocate(seq, num_tokens)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        admitted.add(seq.seq_id)
+        self._emit(seq, num_new, out)
+        return True
 
     def _make_room(
         self, seq: Sequence, num_tokens: int, admitted: set[int], out: SchedulerOutput, now: float
@@ -265,7 +283,7 @@ class Scheduler:
         while order and (need_blocks > 0 or need_slots > 0):
             victim = order.pop()
             chosen.append(victim)
-            need_blocks -= len(victim.block_table)
+            need_blocks -= bm.num_freeable_blocks(victim)
             need_slots -= 1
         if need_blocks > 0 or need_slots > 0:
             return False
@@ -282,6 +300,9 @@ class Scheduler:
             if item.seq is seq:
                 del out.scheduled[i]
                 out.num_batched_tokens -= item.num_new_tokens
+                self.num_computed_prompt_tokens -= _num_prompt_tokens(
+                    seq, item.start_pos, item.num_new_tokens
+                )
                 if item.num_new_tokens > 1:
                     out.num_prefill_tokens -= item.num_new_tokens
                     self._prefill_budget += item.num_new_tokens
@@ -292,6 +313,7 @@ class Scheduler:
         needs_sample = start + num_new == seq.num_tokens
         out.scheduled.append(ScheduledSequence(seq, start, num_new, needs_sample))
         out.num_batched_tokens += num_new
+        self.num_computed_prompt_tokens += _num_prompt_tokens(seq, start, num_new)
         if num_new > 1:
             out.num_prefill_tokens += num_new
             self._prefill_budget -= num_new
@@ -332,6 +354,7 @@ class Scheduler:
             if seq.status != SequenceStatus.RUNNING:
                 continue  # aborted during the step
             seq.num_computed_tokens = item.start_pos + item.num_new_tokens
+            self.block_manager.commit(seq)  # prefix caching: publish the now full blocks
             token = new_tokens.get(seq.seq_id)
             if token is not None:
                 seq.token_ids.append(token)
@@ -360,7 +383,12 @@ class Scheduler:
             "num_swap_ins": self.num_swap_ins,
             "num_swapped_blocks": self.num_swapped_blocks,
             "num_arrival_preemptions": self.num_arrival_preemptions,
+            "num_computed_prompt_tokens": self.num_computed_prompt_tokens,
+            "num_prefix_cached_tokens": self.num_prefix_cached_tokens,
         }
+        if bm.prefix_cache is not None:
+            stats["num_prefix_cached_blocks"] = len(bm.prefix_cache)
+            stats["num_evictable_blocks"] = len(bm.prefix_cache.evictable)
         if self.qos is not None:
             states = {"waiting": self.waiting, "running": self.running, "swapped": self.swapped}
             stats["qos"] = self.qos.stats(states, self.clock())
@@ -381,3 +409,8 @@ class Scheduler:
         for seq in self.waiting:
             assert not seq.host_block_table, f"waiting seq {seq.seq_id} holds host blocks"
         self.block_manager.check_integrity(self.live_sequences())
+
+
+def _num_prompt_tokens(seq: Sequence, start: int, num_new: int) -> int:
+    """How many of the tokens [start, start + num_new) of `seq` belong to its prompt."""
+    return max(0, min(start + num_new, seq.num_prompt_tokens) - start)

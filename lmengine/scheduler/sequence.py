@@ -32,6 +32,7 @@ class Sequence:
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
     block_table: list[int] = field(default_factory=list)  # device block ids, in order
     host_block_table: list[int] = field(default_factory=list)  # host block ids while SWAPPED
+    block_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of full blocks
     num_preemptions: int = 0
     num_prompt_tokens: int = -1
     num_charged_tokens: int = 0  # tokens already counted as served to its QoS tenant
