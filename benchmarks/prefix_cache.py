@@ -59,9 +59,7 @@ def run_scenario(model: str | None, caching: bool, name: str, args) -> dict:
                 prompt_tokens += r.input_token_len
                 out_tokens += r.generate_token_len
         else:
-            chats = [
-                [{"role": "system", "content": SYSTEM}] for _ in range(args.num_conversations)
-            ]
+            chats = [[{"role": "system", "content": SYSTEM}] for _ in range(args.num_conversations)]
             for turn in range(args.num_turns):
                 for c, chat in enumerate(chats):
                     q = lines[(c * args.num_turns + turn) % len(lines)]

@@ -168,7 +168,9 @@ def test_scheduler_fuzz_shared_prefixes_preemption_and_swap(eviction):
     seqs, next_id, done = [], 0, 0
     for _ in range(400):
         if next_id < 60 and rng.random() < 0.5:
-            prompt = rng.choice(systems) + [rng.randrange(1, 50) for _ in range(rng.randrange(1, 8))]
+            prompt = rng.choice(systems) + [
+                rng.randrange(1, 50) for _ in range(rng.randrange(1, 8))
+            ]
             seq = make_seq(next_id, prompt, max_new=rng.randrange(1, 24))
             seq.adapter_name = rng.choice([None, None, "a"])
             seqs.append(seq)
