@@ -14,6 +14,10 @@ by `max_prefill_token_num` prompt tokens per step and `max_batch_size` sequences
    lets outrank running sequences preempts them when there is no room.
 
 Serving order = QoS groups (when on), then tenant shares, then the policy's rank.
+
+With prefix caching (BlockManager(enable_prefix_caching=True)) a waiting sequence first takes
+the cached blocks of its longest cached prefix and starts computing after them; each step's
+newly full blocks are published in `update` (see prefix_cache.py).
 """
 
 from __future__ import annotations
