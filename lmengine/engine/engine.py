@@ -140,9 +140,7 @@ class Engine:
         if cfg.eviction_type == "swap" and not cfg.num_cpu_blocks:
             logger.warning("eviction_type='swap' with num_cpu_blocks=0: preempting by recompute")
         self.scheduler = Scheduler(
-            BlockManager(
-                num_blocks, cfg.num_cpu_blocks, cfg.block_size, cfg.enable_prefix_caching
-            ),
+            BlockManager(num_blocks, cfg.num_cpu_blocks, cfg.block_size, cfg.enable_prefix_caching),
             get_policy(cfg.scheduling_policy, priority_aging_s=cfg.priority_aging_s),
             max_batch_size=cfg.max_batch_size,
             max_prefill_token_num=cfg.max_prefill_token_num,
