@@ -157,12 +157,13 @@ class FakeKV:
                 self.dev[seq.block_table[p // BS]][p % BS] = slot
 
 
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
 @pytest.mark.parametrize("eviction", ["recompute", "swap"])
-def test_scheduler_fuzz_shared_prefixes_preemption_and_swap(eviction):
+def test_scheduler_fuzz_shared_prefixes_preemption_and_swap(eviction, policy):
     rng = random.Random(0)
     num_gpu, num_cpu = 16, 12 if eviction == "swap" else 0
     bm = BlockManager(num_gpu, num_cpu, BS, enable_prefix_caching=True)
-    sched = Scheduler(bm, get_policy("fcfs"), 8, 24, clock=lambda: 0.0, eviction_type=eviction)
+    sched = Scheduler(bm, get_policy(policy), 8, 24, clock=lambda: 0.0, eviction_type=eviction)
     kv = FakeKV(num_gpu, num_cpu)
     systems = [[rng.randrange(1, 50) for _ in range(n)] for n in (13, 9)]
     seqs, next_id, done = [], 0, 0
@@ -173,6 +174,7 @@ def test_scheduler_fuzz_shared_prefixes_preemption_and_swap(eviction):
             ]
             seq = make_seq(next_id, prompt, max_new=rng.randrange(1, 24))
             seq.adapter_name = rng.choice([None, None, "a"])
+            seq.priority = rng.randrange(5)  # the priority policy: later arrivals preempt
             seqs.append(seq)
             sched.add_sequence(seq)
             next_id += 1
@@ -201,5 +203,7 @@ def test_scheduler_fuzz_shared_prefixes_preemption_and_swap(eviction):
     assert stats["num_preemptions"] > 0, stats
     if eviction == "swap":
         assert stats["num_swap_outs"] > 0, stats
+    if policy == "priority":
+        assert stats["num_arrival_preemptions"] > 0, stats
     assert stats["num_free_blocks"] == num_gpu and stats["num_free_cpu_blocks"] == num_cpu
     assert stats["num_evictable_blocks"] == stats["num_prefix_cached_blocks"] > 0
