@@ -24,8 +24,10 @@ VARIANTS = [(4, None), (1, None), (None, 5.0), (6, 2.0)]
 
 def _batch(case, block_size, seed=0, heads=(8, 2), head_dim=16):
     q_lens, kv_lens = CASES[case]
-    return q_lens, kv_lens, *make_paged_batch(
-        q_lens, kv_lens, *heads, head_dim, block_size, seed=seed
+    return (
+        q_lens,
+        kv_lens,
+        *make_paged_batch(q_lens, kv_lens, *heads, head_dim, block_size, seed=seed),
     )
 
 

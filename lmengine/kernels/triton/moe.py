@@ -158,7 +158,9 @@ def fused_moe_triton(
     num_tokens, top_k = topk_ids.shape
     num_slots = num_tokens * top_k
     sorted_slots, tile_expert = align_by_expert(topk_ids, w_gate_up.shape[0], block_m)
-    gate_up = _grouped_gemm(x, w_gate_up, sorted_slots, tile_expert, num_slots, top_k, None, block_m)
+    gate_up = _grouped_gemm(
+        x, w_gate_up, sorted_slots, tile_expert, num_slots, top_k, None, block_m
+    )
     gate, up = gate_up.chunk(2, dim=-1)  # [num_slots, inter] each
     inner = (act_fn(gate) * up).contiguous()  # [num_slots, inter]
     weights = topk_weights.flatten().to(x.dtype).contiguous()  # [num_slots]
