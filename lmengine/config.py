@@ -63,6 +63,8 @@ class EngineConfig:
     enable_prefix_caching: bool = False
     num_threads: int = 0  # CPU: torch intra-op threads; 0 = all cores
     trust_remote_code: bool = False
+    # extra MODULE_MAP entries (HF qualified class name -> patched class), e.g. from user code
+    module_map: dict[str, str] | None = None
 
     def __post_init__(self) -> None:
         _check_choice("dtype", self.dtype, DTYPES)
@@ -84,6 +86,14 @@ class EngineConfig:
         _check_int("num_threads", self.num_threads, 0)
         if self.adapters is not None and not isinstance(self.adapters, dict):
             raise ValueError(f"adapters must be a dict of name -> folder, got {self.adapters!r}")
+        if self.module_map is not None and not (
+            isinstance(self.module_map, dict)
+            and all(isinstance(k, str) and isinstance(v, str) for k, v in self.module_map.items())
+        ):
+            raise ValueError(
+                "module_map must be a dict of 'package.module.HFClass' -> "
+                f"'package.module.PatchedClass' strings, got {self.module_map!r}"
+            )
 
 
 @dataclass

@@ -30,7 +30,7 @@ class ModelAgent:
         engine_config: EngineConfig,
         device: torch.device,
     ) -> None:
-        self.model = patch(model)
+        self.model = patch(model, engine_config.module_map)
         self.info = info
         self.device = device
         self.block_size = engine_config.block_size

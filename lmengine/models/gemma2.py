@@ -76,6 +76,9 @@ class PatchedGemma2Model(PatchedLlamaModel, Gemma2Model):
 
 
 class PatchedGemma2ForCausalLM(PatchedLlamaForCausalLM, Gemma2ForCausalLM):
+    """Soft-capped attention and final logits, sliding window on alternate layers, scaled
+    embeddings, GeGLU, (1 + weight) RMSNorms, four norms per layer."""
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids: [num_tokens] -> soft-capped logits [num_samples, vocab]."""
         logits = super().forward(input_ids)

@@ -62,4 +62,6 @@ class PatchedGPTNeoXModel(GPTNeoXModel):
 
 
 class PatchedGPTNeoXForCausalLM(PatchedLlamaForCausalLM, GPTNeoXForCausalLM):
+    """Parallel residual, partial rotary, LayerNorm, GELU, per-head fused q/k/v."""
+
     backbone_name = "gpt_neox"

@@ -83,6 +83,8 @@ class PatchedLlamaModel(LlamaModel):
 
 
 class PatchedLlamaForCausalLM(LlamaForCausalLM):
+    """RMSNorm, rotary, GQA, SwiGLU (SmolLM2 and any LlamaForCausalLM)."""
+
     backbone_name = "model"  # attribute holding the patched base model
 
     def lmengine_post_patch(self) -> None:

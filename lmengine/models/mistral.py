@@ -63,7 +63,7 @@ class PatchedMistralModel(PatchedLlamaModel, MistralModel):
 
 
 class PatchedMistralForCausalLM(PatchedLlamaForCausalLM, MistralForCausalLM):
-    pass
+    """Llama with sliding-window attention (in the paged kernels)."""
 
 
 class PatchedMixtralRMSNorm(PatchedRMSNorm, MixtralRMSNorm):
@@ -102,4 +102,5 @@ class PatchedMixtralModel(PatchedLlamaModel, MixtralModel):
 
 
 class PatchedMixtralForCausalLM(PatchedLlamaForCausalLM, MixtralForCausalLM):
-    pass
+    """Mistral with a top-k mixture of experts (batched expert kernel: CPU grouped by
+    expert, Triton grouped GEMM)."""

@@ -82,4 +82,5 @@ class PatchedOPTModel(OPTModel):
 
 
 class PatchedOPTForCausalLM(PatchedLlamaForCausalLM, OPTForCausalLM):
-    pass
+    """Learned positions (offset 2), LayerNorm, ReLU, biases, pre- or post-norm,
+    project_in/out."""

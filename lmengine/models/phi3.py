@@ -66,4 +66,5 @@ class PatchedPhi3Model(PatchedLlamaModel, Phi3Model):
 
 
 class PatchedPhi3ForCausalLM(PatchedLlamaForCausalLM, Phi3ForCausalLM):
-    pass
+    """Llama with q/k/v and gate/up fused in the checkpoint; optional partial rotary and
+    sliding window."""

@@ -57,7 +57,7 @@ class PatchedQwen2Model(PatchedLlamaModel, Qwen2Model):
 
 
 class PatchedQwen2ForCausalLM(PatchedLlamaForCausalLM, Qwen2ForCausalLM):
-    pass
+    """Llama with biased q/k/v projections; optional sliding-window layers."""
 
 
 class PatchedQwen3RMSNorm(PatchedRMSNorm, Qwen3RMSNorm):
@@ -83,4 +83,4 @@ class PatchedQwen3Model(PatchedLlamaModel, Qwen3Model):
 
 
 class PatchedQwen3ForCausalLM(PatchedLlamaForCausalLM, Qwen3ForCausalLM):
-    pass
+    """Llama with per-head RMSNorm on q and k; optional sliding-window layers."""
