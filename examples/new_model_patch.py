@@ -63,12 +63,8 @@ class PatchedGraniteDecoderLayer(PatchedLlamaDecoderLayer, GraniteDecoderLayer):
     def forward(
         self, hidden_states: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # the residual add is deferred into the next norm, as in the Llama patch
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        # input norm fused with the residual add the previous layer deferred
+        hidden_states, residual = self.norm_input(hidden_states, residual)
         hidden_states = self.self_attn(hidden_states) * self.residual_multiplier
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states) * self.residual_multiplier, residual

@@ -23,6 +23,7 @@ from transformers.models.gemma2.modeling_gemma2 import (
 from lmengine.kernels import add_rms_norm, rms_norm
 from lmengine.models.llama import (
     PatchedLlamaAttention,
+    PatchedLlamaDecoderLayer,
     PatchedLlamaForCausalLM,
     PatchedLlamaMLP,
     PatchedLlamaModel,
@@ -53,18 +54,14 @@ class PatchedGemma2Attention(PatchedLlamaAttention, Gemma2Attention):
     pass
 
 
-class PatchedGemma2DecoderLayer(Gemma2DecoderLayer):
+class PatchedGemma2DecoderLayer(PatchedLlamaDecoderLayer, Gemma2DecoderLayer):
     """Sandwich norms. The residual add is deferred into the next norm, as in Llama: returns
     (this layer's output, the residual stream before it)."""
 
     def forward(
         self, hidden_states: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states, residual = self.norm_input(hidden_states, residual)
         hidden_states = self.post_attention_layernorm(self.self_attn(hidden_states))
         hidden_states, residual = self.pre_feedforward_layernorm(hidden_states, residual)
         hidden_states = self.post_feedforward_layernorm(self.mlp(hidden_states))

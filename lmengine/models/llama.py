@@ -57,14 +57,19 @@ class PatchedLlamaAttention(PagedAttentionMixin, LlamaAttention):
 
 
 class PatchedLlamaDecoderLayer(LlamaDecoderLayer):
+    def norm_input(
+        self, hidden_states: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """input_layernorm, fused with the residual add the previous layer deferred.
+        Returns (normed input, residual stream)."""
+        if residual is None:
+            return self.input_layernorm(hidden_states), hidden_states
+        return self.input_layernorm(hidden_states, residual)
+
     def forward(
         self, hidden_states: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states, residual = self.norm_input(hidden_states, residual)
         hidden_states = self.self_attn(hidden_states)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual

@@ -70,8 +70,10 @@ class PatchedQwen3MLP(PatchedLlamaMLP, Qwen3MLP):
 
 class PatchedQwen3Attention(PatchedLlamaAttention, Qwen3Attention):
     def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [num_tokens, heads, head_dim]: RMSNorm over head_dim, per head."""
-        return self.q_norm(q), self.k_norm(k)
+        """q: [num_tokens, heads, head_dim]: RMSNorm over head_dim, per head. q and k are
+        column slices of the fused projection; contiguous copies let the Triton norm view
+        them as rows."""
+        return self.q_norm(q.contiguous()), self.k_norm(k.contiguous())
 
 
 class PatchedQwen3DecoderLayer(PatchedLlamaDecoderLayer, Qwen3DecoderLayer):
