@@ -15,7 +15,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
+
+from lmengine.kernels.linear import linear, pack_weight
 
 
 def fused_moe_ref(
@@ -46,6 +47,13 @@ def sort_by_expert(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tens
     return order, counts.tolist()
 
 
+def pack_experts(w: torch.Tensor) -> list[torch.Tensor | None] | None:
+    """oneDNN-packed copies of each expert's [out, in] matrix (see kernels/linear.py), or None
+    where packing does not apply."""
+    packed = [pack_weight(w[e]) for e in range(w.shape[0])]
+    return None if any(p is None for p in packed) else packed
+
+
 def fused_moe_cpu(
     x: torch.Tensor,
     w_gate_up: torch.Tensor,
@@ -53,19 +61,24 @@ def fused_moe_cpu(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     act_fn: Callable[[torch.Tensor], torch.Tensor],
+    packed: tuple[list, list] | None = None,
 ) -> torch.Tensor:
     """Grouped by expert: one gather of the token rows in expert order, then one GEMM pair
-    per expert over its contiguous run of rows, one weighted scatter-add back."""
+    per expert over its contiguous run of rows, one weighted scatter-add back. `packed`:
+    (pack_experts(w_gate_up), pack_experts(w_down)), for oneDNN GEMMs on packed weights."""
     num_tokens, top_k = topk_ids.shape
     order, counts = sort_by_expert(topk_ids, w_gate_up.shape[0])
     token = order // top_k  # [num_slots] token of each sorted slot
     rows = x.index_select(0, token)  # [num_slots, hidden]
+    packed_gate_up, packed_down = packed or (None, None)
     outs = []
     for expert, part in enumerate(rows.split(counts)):
         if part.shape[0] == 0:
             continue
-        gate, up = F.linear(part, w_gate_up[expert]).chunk(2, dim=-1)  # [n, inter] each
-        outs.append(F.linear(act_fn(gate) * up, w_down[expert]))  # [n, hidden]
+        pgu = packed_gate_up[expert] if packed_gate_up else None
+        pd = packed_down[expert] if packed_down else None
+        gate, up = linear(part, w_gate_up[expert], None, pgu).chunk(2, dim=-1)  # [n, inter]
+        outs.append(linear(act_fn(gate) * up, w_down[expert], None, pd))  # [n, hidden]
     y = torch.cat(outs) * topk_weights.flatten()[order, None].to(x.dtype)  # [num_slots, hidden]
     return torch.zeros_like(x).index_add_(0, token, y)
 
@@ -97,8 +110,10 @@ def fused_moe(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     act_fn: Callable[[torch.Tensor], torch.Tensor],
+    packed: tuple[list, list] | None = None,
 ) -> torch.Tensor:
-    """x: [num_tokens, hidden] -> sum_k topk_weights[:, k] * expert_{topk_ids[:, k]}(x)."""
+    """x: [num_tokens, hidden] -> sum_k topk_weights[:, k] * expert_{topk_ids[:, k]}(x).
+    `packed`: optional per-expert oneDNN-packed weights for the CPU path."""
     _check(x, w_gate_up, w_down, topk_weights, topk_ids)
     if x.shape[0] == 0:
         return torch.zeros_like(x)
@@ -106,4 +121,4 @@ def fused_moe(
         from lmengine.kernels.triton.moe import fused_moe_triton
 
         return fused_moe_triton(x, w_gate_up, w_down, topk_weights, topk_ids, act_fn)
-    return fused_moe_cpu(x, w_gate_up, w_down, topk_weights, topk_ids, act_fn)
+    return fused_moe_cpu(x, w_gate_up, w_down, topk_weights, topk_ids, act_fn, packed)

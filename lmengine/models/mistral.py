@@ -29,7 +29,7 @@ from transformers.models.mixtral.modeling_mixtral import (
     MixtralSparseMoeBlock,
 )
 
-from lmengine.kernels.moe import fused_moe
+from lmengine.kernels.moe import fused_moe, pack_experts
 from lmengine.models.llama import (
     PatchedLlamaAttention,
     PatchedLlamaDecoderLayer,
@@ -77,6 +77,13 @@ class PatchedMixtralAttention(PatchedMistralAttention, MixtralAttention):
 class PatchedMixtralSparseMoeBlock(MixtralSparseMoeBlock):
     """Top-k softmax routing as transformers does it, then the batched expert kernel."""
 
+    def lmengine_post_patch(self) -> None:
+        """Pack each expert's weights for oneDNN (CPU float32; None elsewhere). Whoever
+        changes the expert weights afterwards calls this again."""
+        gate_up = pack_experts(self.experts.gate_up_proj)
+        down = pack_experts(self.experts.down_proj)
+        self.packed_experts = None if gate_up is None or down is None else (gate_up, down)
+
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         router_logits = F.linear(hidden_states, self.gate.weight)  # [num_tokens, num_experts]
         probs = router_logits.float().softmax(-1)
@@ -90,6 +97,7 @@ class PatchedMixtralSparseMoeBlock(MixtralSparseMoeBlock):
             topk_weights,
             topk_ids,
             experts.act_fn,
+            self.packed_experts,
         )
 
 

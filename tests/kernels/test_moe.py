@@ -37,6 +37,18 @@ def test_cpu_path_matches_reference(name):
 
 
 @pytest.mark.parametrize("name", list(SHAPES))
+def test_cpu_path_on_packed_weights_matches_reference(name):
+    from lmengine.kernels.moe import pack_experts
+
+    x, wgu, wd, weights, ids = _inputs(*SHAPES[name], seed=3)
+    packed = (pack_experts(wgu), pack_experts(wd))
+    if packed[0] is None:
+        pytest.skip("oneDNN weight packing is not available in this torch build")
+    got = fused_moe(x, wgu, wd, weights, ids, F.silu, packed)
+    torch.testing.assert_close(got, fused_moe_ref(x, wgu, wd, weights, ids, F.silu))
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
 def test_triton_matches_reference(triton_device, name):
     from lmengine.kernels.triton.moe import fused_moe_triton
 
