@@ -105,10 +105,14 @@ def save_tiny_model(path, tokenizer_src: str, name: str, seed: int = 0) -> str:
     model = getattr(transformers, model_cls)(config)
     # NOTE: default init gives near-uniform logits; scale the matrices up so that greedy
     # choices are decisive, as on a trained model (see tests/conftest.py save_tiny_llama).
+    # Norm weights and biases start as constants (ones or zeros): perturb them, or a patch
+    # that dropped a bias or swapped two of Gemma 2's norms would go unnoticed.
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() > 1:
                 p.mul_(8.0)
+            else:
+                p.add_(torch.randn_like(p) * 0.3)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return str(path)
