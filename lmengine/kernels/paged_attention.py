@@ -26,16 +26,15 @@ class _GroupPlan:
 
     q_index: torch.Tensor  # [num_seqs, max_q] packed token per query row (padding repeats)
     kv_blocks: torch.Tensor  # [num_seqs * max_blocks] block ids, row-major (padding -> 0)
-    # [num_seqs, 1, max_q, max_blocks * block_size] bool, True = attend; None for fresh
-    # prompts, which the causal SDPA path serves without a mask
-    mask: torch.Tensor | None
     last_visible: torch.Tensor  # [num_seqs, max_q] position of each query row (last key seen)
     is_identity: bool  # the group is every packed token, one per sequence, in order
     is_fresh: bool  # prefills with no cached history: plain causal attention applies
     out_rows: torch.Tensor  # [num_valid] rows of the flattened [num_seqs * max_q] result
     out_tokens: torch.Tensor  # [num_valid] packed token index each valid row goes to
     num_keys: int  # max_blocks * block_size: key slots gathered per sequence
-    tiled_masks: dict[tuple, torch.Tensor] = field(default_factory=dict)  # per (g, dtype)
+    # additive masks per (group size, dtype, window); fresh prompts without window or cap
+    # need none: the causal SDPA path serves them
+    tiled_masks: dict[tuple, torch.Tensor] = field(default_factory=dict)
 
     def mask_for(
         self, group_size: int, dtype: torch.dtype, sliding_window: int | None = None
@@ -45,9 +44,7 @@ class _GroupPlan:
         SDPA would otherwise convert a boolean mask in every call."""
         key = (group_size, dtype, sliding_window)
         if key not in self.tiled_masks:
-            mask = self.mask
-            if mask is None or sliding_window is not None:
-                mask = self.visible(sliding_window)
+            mask = self.visible(sliding_window)
             additive = torch.zeros(mask.shape, dtype=dtype)
             additive.masked_fill_(~mask, float("-inf"))
             self.tiled_masks[key] = additive.repeat(1, 1, group_size, 1)
@@ -153,10 +150,6 @@ def _plan_group(meta: AttentionMetadata, seqs: torch.Tensor) -> _GroupPlan:
     is_fresh = max_q > 1 and bool((kv_lens == q_lens).all())
     # key j is visible to query i iff j <= position(i); padded rows repeat the last real row
     last_visible = (kv_lens - q_lens)[:, None] + row_clamped  # [n, max_q]
-    mask = None
-    if not is_fresh:
-        keys = torch.arange(max_blocks * bs)
-        mask = (keys[None, None, :] <= last_visible[:, :, None])[:, None]  # [n, 1, max_q, keys]
     valid = (rows[None, :] < q_lens[:, None]).flatten()
     out_rows = valid.nonzero().flatten()
     out_tokens = q_index.flatten()[out_rows]
@@ -165,7 +158,6 @@ def _plan_group(meta: AttentionMetadata, seqs: torch.Tensor) -> _GroupPlan:
     return _GroupPlan(
         q_index=q_index,
         kv_blocks=kv_blocks.flatten(),
-        mask=mask,
         last_visible=last_visible,
         num_keys=max_blocks * bs,
         out_rows=out_rows,
