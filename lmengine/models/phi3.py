@@ -68,3 +68,8 @@ class PatchedPhi3Model(PatchedLlamaModel, Phi3Model):
 class PatchedPhi3ForCausalLM(PatchedLlamaForCausalLM, Phi3ForCausalLM):
     """Llama with q/k/v and gate/up fused in the checkpoint; optional partial rotary and
     sliding window."""
+
+    # NOTE: HF's Phi-3 plan splits the fused qkv_proj / gate_up_proj contiguously, which would
+    # hand a rank q rows only; until the TP loader can split a checkpoint-fused linear by its
+    # `output_sizes`, tp > 1 keeps every Phi-3 linear whole (only the vocabulary is split).
+    lmengine_tp_plan: dict[str, str] = {}
