@@ -33,14 +33,12 @@ from lmengine.models.llama import (
 class PatchedGemma2RMSNorm(Gemma2RMSNorm):
     """x / rms(x) * (1 + weight), optionally fused with the residual add before it."""
 
-    def lmengine_post_patch(self) -> None:
-        # NOTE: same float32 product as transformers' (1.0 + weight.float()), made once
-        self.register_buffer("scale", 1.0 + self.weight.detach().float(), persistent=False)
-
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        scale = self.scale.to(x.dtype)
+        # NOTE: made per call (a [hidden] add), not at patch time: under tensor parallelism
+        # the weights are still on the meta device when the model is patched
+        scale = (1.0 + self.weight.float()).to(x.dtype)
         if residual is None:
             return rms_norm(x, scale, self.eps)
         return add_rms_norm(x, residual, scale, self.eps)

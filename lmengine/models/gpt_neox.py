@@ -64,4 +64,7 @@ class PatchedGPTNeoXModel(GPTNeoXModel):
 class PatchedGPTNeoXForCausalLM(PatchedLlamaForCausalLM, GPTNeoXForCausalLM):
     """Parallel residual, partial rotary, LayerNorm, GELU, per-head fused q/k/v."""
 
+    # NOTE: the Llama patch comes first in the MRO, so HF class attributes that differ must
+    # be restated here (transformers finds the backbone by base_model_prefix)
+    base_model_prefix = GPTNeoXForCausalLM.base_model_prefix
     backbone_name = "gpt_neox"

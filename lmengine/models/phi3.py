@@ -69,7 +69,10 @@ class PatchedPhi3ForCausalLM(PatchedLlamaForCausalLM, Phi3ForCausalLM):
     """Llama with q/k/v and gate/up fused in the checkpoint; optional partial rotary and
     sliding window."""
 
-    # NOTE: HF's Phi-3 plan splits the fused qkv_proj / gate_up_proj contiguously, which would
-    # hand a rank q rows only; until the TP loader can split a checkpoint-fused linear by its
-    # `output_sizes`, tp > 1 keeps every Phi-3 linear whole (only the vocabulary is split).
-    lmengine_tp_plan: dict[str, str] = {}
+    # NOTE: HF's Phi-3 plan splits the fused qkv_proj contiguously, which would hand a rank
+    # q rows only. Until the TP loader splits a checkpoint-fused linear by its `output_sizes`,
+    # this plan makes tp > 1 fail at load time with the reason in the message.
+    lmengine_tp_plan: dict[str, str] = {
+        "model.layers.*.self_attn.qkv_proj": "unsupported: Phi-3's checkpoint-fused qkv_proj "
+        "cannot be split by heads yet (use tp=1)",
+    }
