@@ -17,6 +17,7 @@ from lmengine.kernels import AttentionMetadata, cpu_ext
 from lmengine.models import patch
 from lmengine.models.context import StepContext, step_context
 from lmengine.models.model_info import ModelInfo
+from lmengine.quant import apply_quant_policy
 from lmengine.scheduler.scheduler import SchedulerOutput
 
 
@@ -30,7 +31,7 @@ class ModelAgent:
         engine_config: EngineConfig,
         device: torch.device,
     ) -> None:
-        self.model = patch(model, engine_config.module_map)
+        self.model = apply_quant_policy(patch(model, engine_config.module_map), engine_config)
         if device.type == "cpu":
             cpu_ext.load()  # NOTE: build the compiled kernels now, not inside the first step
         self.info = info
