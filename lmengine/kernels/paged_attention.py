@@ -249,16 +249,14 @@ def paged_attention_cpu(
     num_kv_heads = k_cache.shape[2]
     group_size = num_heads // num_kv_heads
     out = None
-    # NOTE: the compiled decode kernel knows neither windows nor soft caps: those layers
-    # take the SDPA path below
-    plain = sliding_window is None and softcap is None
-    kernel = _decode_kernel() if q.dtype == torch.float32 and plain else None
+    kernel = _decode_kernel() if q.dtype == torch.float32 else None
     for plan in meta.groups:
         n, max_q = plan.q_index.shape
         if kernel is not None and plan.decode_tables is not None:
             qd = q if plan.is_identity else q[plan.q_index[:, 0]]  # [n, heads, d]
             tables, kv_lens = plan.decode_tables, plan.decode_kv_lens
-            res = kernel(qd.contiguous(), k_cache, v_cache, tables, kv_lens, scale)
+            window, cap = sliding_window or 0, softcap or 0.0  # 0: none
+            res = kernel(qd.contiguous(), k_cache, v_cache, tables, kv_lens, scale, window, cap)
             if plan.is_identity:
                 return res
             if out is None:
