@@ -87,3 +87,15 @@ def test_guide_example_runs_and_matches_transformers(example_module, argv, capsy
         assert "transformers.models.granite.modeling_granite.GraniteForCausalLM" in MODULE_MAP
     else:
         assert not any("granite" in k for k in MODULE_MAP), "module_map leaked into MODULE_MAP"
+
+
+@pytest.mark.parametrize("arch", ["opt", "gpt_neox", "qwen2"])
+def test_w8a8_on_an_architecture_without_a_layout_is_a_clear_error(arch, tmp_path, smollm2_path):
+    """Patches that subclass the Llama patches must not pass for Llama in w8a8's layout
+    lookup (they used to fail later with an AttributeError)."""
+    from lmengine import Engine
+    from tests.test_models_parity import save_tiny_model
+
+    path = save_tiny_model(tmp_path / arch, smollm2_path, arch)
+    with pytest.raises(ValueError, match=r"w8a8 quantization is not supported.*supported: Llama"):
+        Engine.from_pretrained(path, EngineConfig(quant_policy="w8a8", num_gpu_blocks=8))

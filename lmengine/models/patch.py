@@ -40,6 +40,8 @@ def patch(model: nn.Module, extra_map: dict[str, str] | None = None) -> nn.Modul
             "subclasses of its HF modules and map them with lmengine.models.register_module or "
             "EngineConfig(module_map=...): see docs/adding_a_model.md."
         )
+    # the HF architecture, for code that must know it after the classes are swapped
+    model.lmengine_architecture = type(model).__name__
     for module in model.modules():
         target = module_map.get(qualname(type(module)))
         if target is not None:
