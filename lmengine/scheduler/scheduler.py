@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from lmengine.scheduler.adapter_manager import AdapterManager, AdapterPlan
 from lmengine.scheduler.block_manager import BlockManager
 from lmengine.scheduler.policies import Policy
 from lmengine.scheduler.sequence import Sequence, SequenceStatus
@@ -48,6 +49,7 @@ class SchedulerOutput:
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device)
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) device
+    adapter_plan: AdapterPlan | None = None  # LoRA loads, page tables of scheduled adapters
 
     @property
     def is_empty(self) -> bool:
@@ -68,8 +70,10 @@ class Scheduler:
         max_batch_size: int,
         max_prefill_token_num: int,
         clock=time.monotonic,
+        adapter_manager: AdapterManager | None = None,
     ) -> None:
         self.block_manager = block_manager
+        self.adapter_manager = adapter_manager
         self.policy = policy
         self.max_batch_size = max_batch_size
         self.max_prefill_token_num = max_prefill_token_num
@@ -93,6 +97,8 @@ class Scheduler:
             self.waiting.remove(seq)
         if seq.block_table:
             self.block_manager.free(seq)
+        if self.adapter_manager is not None:
+            self.adapter_manager.release(seq)
         seq.status = SequenceStatus.FINISHED
         live = self.sessions.get(seq.session_id)
         if live is not None and seq in live:
@@ -155,12 +161,18 @@ class Scheduler:
                 num_new = min(seq.num_tokens - seq.num_computed_tokens, prefill_budget)
                 if not bm.can_allocate(seq, seq.num_computed_tokens + num_new):
                     break  # NOTE: strict order: nobody overtakes the head of the queue
+                # NOTE: adapter residency is a resource like blocks, in the same strict order:
+                # a hot adapter cannot starve a cold one by overtaking it
+                if self.adapter_manager is not None and not self.adapter_manager.acquire(seq):
+                    break
                 bm.allocate(seq, seq.num_computed_tokens + num_new)
                 self.waiting.remove(seq)
                 seq.status = SequenceStatus.RUNNING
                 self.running.append(seq)
                 self._emit(seq, num_new, out)
                 prefill_budget -= num_new
+        if self.adapter_manager is not None:
+            out.adapter_plan = self.adapter_manager.plan(it.seq.adapter_id for it in out.scheduled)
         return out
 
     def _emit(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> None:
@@ -203,13 +215,18 @@ class Scheduler:
     # ---- observability -----------------------------------------------------------------------
     def stats(self) -> dict[str, int]:
         bm = self.block_manager
-        return {
+        stats = {
             "num_waiting": len(self.waiting),
             "num_running": len(self.running),
             "num_free_blocks": bm.device.num_free,
             "num_total_blocks": bm.device.num_blocks,
             "num_preemptions": self.num_preemptions,
         }
+        if self.adapter_manager is not None:
+            stats.update(self.adapter_manager.stats())
+        return stats
 
     def check_integrity(self) -> None:
         self.block_manager.check_integrity(self.live_sequences())
+        if self.adapter_manager is not None:
+            self.adapter_manager.check_integrity(self.live_sequences())
