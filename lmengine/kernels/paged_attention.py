@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from lmengine.kernels import cpu_ext
+
 
 @dataclass
 class _GroupPlan:
@@ -30,6 +32,9 @@ class _GroupPlan:
     out_rows: torch.Tensor  # [num_valid] rows of the flattened [num_seqs * max_q] result
     out_tokens: torch.Tensor  # [num_valid] packed token index each valid row goes to
     tiled_masks: dict[tuple, torch.Tensor] = field(default_factory=dict)  # per (g, dtype)
+    # decode groups only, for the compiled kernel that reads the cache without a gather:
+    decode_tables: torch.Tensor | None = None  # [num_seqs, max_blocks] int32
+    decode_kv_lens: torch.Tensor | None = None  # [num_seqs] int32
 
     def mask_for(self, group_size: int, dtype: torch.dtype) -> torch.Tensor:
         """Additive mask (0 or -inf) for query rows ordered (head-in-group, query):
@@ -91,7 +96,9 @@ class AttentionMetadata:
             is_fresh = ~is_decode & (kv_lens_t == q_lens_t)
             for sel in (is_decode, is_fresh, ~is_decode & ~is_fresh):
                 seqs = sel.nonzero().flatten()
-                for chunk in _cache_sized_chunks(seqs, kv_lens_t, block_size, kv_token_bytes):
+                # NOTE: the compiled decode kernel gathers nothing, so needs no cache budget
+                budget = 0 if sel is is_decode and _decode_kernel() else kv_token_bytes
+                for chunk in _cache_sized_chunks(seqs, kv_lens_t, block_size, budget):
                     meta.groups.append(_plan_group(meta, chunk))
         else:
             for name in ("block_tables", "q_start_loc", "q_lens", "kv_lens"):
@@ -141,7 +148,13 @@ def _plan_group(meta: AttentionMetadata, seqs: torch.Tensor) -> _GroupPlan:
     out_tokens = q_index.flatten()[out_rows]
     num_tokens = int(meta.q_lens.sum())
     is_identity = max_q == 1 and len(seqs) == num_tokens
+    decode_tables = decode_kv_lens = None
+    if max_q == 1:
+        decode_tables = meta.block_tables[seqs, :max_blocks].contiguous()
+        decode_kv_lens = meta.kv_lens[seqs].contiguous()
     return _GroupPlan(
+        decode_tables=decode_tables,
+        decode_kv_lens=decode_kv_lens,
         q_index=q_index,
         kv_blocks=kv_blocks.flatten(),
         mask=mask,
@@ -195,8 +208,19 @@ def paged_attention_cpu(
     num_kv_heads = k_cache.shape[2]
     group_size = num_heads // num_kv_heads
     out = None
+    kernel = _decode_kernel() if q.dtype == torch.float32 else None
     for plan in meta.groups:
         n, max_q = plan.q_index.shape
+        if kernel is not None and plan.decode_tables is not None:
+            qd = q if plan.is_identity else q[plan.q_index[:, 0]]  # [n, heads, d]
+            tables, kv_lens = plan.decode_tables, plan.decode_kv_lens
+            res = kernel(qd.contiguous(), k_cache, v_cache, tables, kv_lens, scale)
+            if plan.is_identity:
+                return res
+            if out is None:
+                out = torch.empty_like(q)
+            out[plan.out_tokens] = res
+            continue
         # [n * max_blocks, bs, kv_heads, d] -> [n, kv_heads, max_blocks * bs, d]
         kg = k_cache.index_select(0, plan.kv_blocks).view(n, -1, num_kv_heads, head_dim)
         vg = v_cache.index_select(0, plan.kv_blocks).view(n, -1, num_kv_heads, head_dim)
@@ -226,6 +250,12 @@ def paged_attention_cpu(
             out = torch.empty_like(q)
         out[plan.out_tokens] = res if max_q == 1 else res[plan.out_rows]
     return out
+
+
+def _decode_kernel():
+    """The compiled gather-free decode kernel, or None (then decodes use the SDPA path)."""
+    module = cpu_ext.load()
+    return None if module is None else module.paged_decode_attention
 
 
 def paged_attention(

@@ -54,7 +54,8 @@ def test_rejects_bad_head_ratio():
 @pytest.mark.parametrize(
     "q_lens,kv_lens", [([1, 1, 1, 1, 1], [9, 40, 3, 17, 33]), ([5, 1, 16], [5, 9, 40])]
 )
-def test_groups_split_to_fit_the_cache_give_the_same_result(q_lens, kv_lens):
+def test_groups_split_to_fit_the_cache_give_the_same_result(q_lens, kv_lens, monkeypatch):
+    monkeypatch.setenv("LMENGINE_CPU_EXT", "0")  # the gather path: the one that splits
     q, kc, vc, meta, dk, dv = make_paged_batch(q_lens, kv_lens, 4, 2, 16, 4, seed=7)
     # a KV token so large that every group is split into single sequences
     split = type(meta).build(

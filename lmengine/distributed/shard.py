@@ -1,0 +1,338 @@
+"""Sharding a patched model over tensor-parallel ranks, and loading each rank's slices only.
+
+The sharding is declared by the model, not by the agent: the plan is HF's own
+`base_model_tp_plan` of the config (module-name patterns -> "colwise" / "rowwise", the same
+plan transformers uses for its tensor parallelism), or a patched top-level class's
+`lmengine_tp_plan` when it defines one. So an architecture whose HF config carries a plan gets
+tensor parallelism without code. Applied to the patched modules:
+
+- colwise: output rows split. A `MergedLinear` (q/k/v, gate/up) is split per part and
+  restacked, so `split()` still cuts it right. Inside a module with `head_dim` (attention) the
+  unit is a head; when there are fewer heads than ranks (KV heads), ranks share a head.
+- rowwise: input columns split, the output is summed over ranks (all-reduce); the bias is
+  added by rank 0 only.
+- the input embedding and the LM head are always vocabulary-parallel: each rank holds
+  ceil(vocab / tp) rows; embedding rows outside a rank's range are zero and summed; the LM
+  head's logit shards are gathered to rank 0.
+- everything else (norms) is replicated.
+
+`shard_model` only reshapes parameters (on the meta device) and records where each one's
+values come from; `CheckpointReader` then reads exactly those slices from the safetensors
+files, so a rank never holds the full weights.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from lmengine.distributed.comm import all_reduce, gather_vocab
+from lmengine.models.layers import MergedLinear, PackedLinear
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One slice of one checkpoint tensor; a parameter is its pieces stacked along dim 0."""
+
+    key: str | None  # checkpoint tensor name; None = zeros of `stop - start` rows
+    dim: int | None  # dimension sliced; None = the whole tensor
+    start: int = 0
+    stop: int = 0
+    pad: int = 0  # zero rows appended along dim 0 (padding of the last vocabulary shard)
+    missing_is_zero: bool = False  # a merged part without a bias: zeros of `stop - start`
+
+
+LoadPlan = dict[str, list[Piece]]  # parameter name (as named_parameters gives it) -> pieces
+
+
+def tp_plan(model: nn.Module) -> dict[str, str]:
+    """Full module-name pattern -> style ("colwise" / "rowwise"), declared by the model."""
+    own = getattr(type(model), "lmengine_tp_plan", None)
+    if own is not None:
+        return dict(own)
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else None
+    base = getattr(config or model.config, "base_model_tp_plan", None) or {}
+    prefix = getattr(model, "base_model_prefix", "")
+    plan = {f"{prefix}.{k}" if prefix else k: v for k, v in base.items()}
+    if not plan:
+        raise ValueError(
+            f"{type(model).__name__} declares no tensor-parallel plan (no base_model_tp_plan "
+            "in its config): give the patched class an `lmengine_tp_plan` to use tp > 1"
+        )
+    return plan
+
+
+def _style(style: str) -> str:
+    """HF style names -> the two this module applies."""
+    if "colwise" in style:
+        return "colwise"
+    if "rowwise" in style:
+        return "rowwise"
+    raise ValueError(f"tensor-parallel style {style!r} is not supported for a linear layer")
+
+
+class _PlanMatcher:
+    def __init__(self, plan: dict[str, str]) -> None:
+        self.rules = [
+            (re.compile(re.escape(pattern).replace(r"\*", r"\d+")), style)
+            for pattern, style in plan.items()
+        ]
+
+    def style(self, name: str) -> str | None:
+        for regex, style in self.rules:
+            if regex.fullmatch(name):
+                return _style(style)
+        return None
+
+
+def unit_range(
+    num_units: int, unit: int, rank: int, tp: int, what: str, can_share: bool
+) -> tuple[int, int]:
+    """Rows [start, stop) of this rank's share of `num_units` units of `unit` rows each.
+
+    With fewer units than ranks and `can_share` (KV heads), ranks share one unit each.
+    """
+    if num_units % tp == 0:
+        per = num_units // tp
+        return rank * per * unit, (rank + 1) * per * unit
+    if can_share and tp % num_units == 0:
+        u = rank * num_units // tp
+        return u * unit, (u + 1) * unit
+    raise ValueError(f"tp={tp} cannot split {what} ({num_units}) evenly over the ranks")
+
+
+def _meta_param(shape: tuple[int, ...], like: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, dtype=like.dtype, device="meta"), requires_grad=False)
+
+
+def _vocab_range(vocab: int, rank: int, tp: int) -> tuple[int, int, int]:
+    """(start, stop, pad) of this rank's vocabulary rows; every shard has ceil(vocab/tp) rows."""
+    per = math.ceil(vocab / tp)
+    start = min(rank * per, vocab)
+    stop = min(start + per, vocab)
+    return start, stop, per - (stop - start)
+
+
+def _add_vocab_parallel_embedding(module: nn.Embedding, start: int, stop: int) -> None:
+    """Rows outside [start, stop) read row 0 and are zeroed; the sum over ranks is the lookup."""
+
+    def before(mod: nn.Module, args: tuple):
+        ids = args[0]
+        mod.lmengine_outside = (ids < start) | (ids >= stop)  # [num_tokens]
+        return ((ids - start).masked_fill(mod.lmengine_outside, 0), *args[1:])
+
+    def after(mod: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+        out = out.masked_fill(mod.lmengine_outside.unsqueeze(-1), 0)  # [num_tokens, hidden]
+        return all_reduce(out)
+
+    module.register_forward_pre_hook(before)
+    module.register_forward_hook(after)
+
+
+def _add_all_reduce(module: nn.Module) -> None:
+    module.register_forward_hook(lambda mod, args, out: all_reduce(out))
+
+
+def _add_gather_vocab(module: nn.Module, vocab: int) -> None:
+    module.register_forward_hook(lambda mod, args, out: gather_vocab(out, vocab))
+
+
+def shard_model(model: nn.Module, rank: int, tp: int) -> LoadPlan:
+    """Reshape the (meta) parameters of a patched model to rank `rank`'s shard, install the
+    communication hooks, and return where every parameter's values come from."""
+    matcher = _PlanMatcher(tp_plan(model))
+    modules = dict(model.named_modules())
+    load: LoadPlan = {}
+    handled: set[int] = set()
+    emb = model.get_input_embeddings()
+    head = model.get_output_embeddings()
+    is_tied = head is not None and head.weight is emb.weight
+    names = {id(m): n for n, m in modules.items()}
+
+    # vocabulary-parallel embedding and LM head
+    vocab = emb.num_embeddings
+    start, stop, pad = _vocab_range(vocab, rank, tp)
+    emb_name = names[id(emb)]
+    emb.weight = _meta_param((stop - start + pad, emb.embedding_dim), emb.weight)
+    load[f"{emb_name}.weight"] = [Piece(f"{emb_name}.weight", 0, start, stop, pad)]
+    _add_vocab_parallel_embedding(emb, start, stop)
+    handled.add(id(emb))
+    if head is not None:
+        head_name = names[id(head)]
+        if head.bias is not None:
+            raise ValueError("an LM head with a bias is not supported with tp > 1")
+        if is_tied:
+            head.weight = emb.weight
+        else:
+            head.weight = _meta_param((stop - start + pad, head.in_features), head.weight)
+            load[f"{head_name}.weight"] = [Piece(f"{head_name}.weight", 0, start, stop, pad)]
+        head.out_features = stop - start + pad
+        _add_gather_vocab(head, vocab)
+        handled.add(id(head))
+
+    for name, module in modules.items():
+        if id(module) in handled:
+            continue
+        parent_name = name.rpartition(".")[0]
+        unit = getattr(modules[parent_name], "head_dim", 1) if name else 1
+        if isinstance(module, MergedLinear):
+            _shard_merged(module, name, parent_name, matcher, unit, rank, tp, load)
+        elif isinstance(module, nn.Linear):
+            _shard_linear(module, name, matcher.style(name), unit, rank, tp, load)
+        else:
+            for pname, _ in module.named_parameters(recurse=False):
+                load[f"{name}.{pname}"] = [Piece(f"{name}.{pname}", None)]
+    return load
+
+
+def _prefixed(parent: str, child: str) -> str:
+    return f"{parent}.{child}" if parent else child
+
+
+def _shard_merged(
+    module: MergedLinear,
+    name: str,
+    parent: str,
+    matcher: _PlanMatcher,
+    unit: int,
+    rank: int,
+    tp: int,
+    load: LoadPlan,
+) -> None:
+    """Split each stacked part (q, k, v or gate, up) on its own, then restack."""
+    parts = [_prefixed(parent, src) for src in module.source_names]
+    styles = {matcher.style(p) for p in parts}
+    weight_pieces, bias_pieces, sizes = [], [], []
+    if styles == {None}:  # replicated
+        for part, size in zip(parts, module.output_sizes):
+            weight_pieces.append(Piece(f"{part}.weight", None))
+            bias_pieces.append(Piece(f"{part}.bias", None, 0, size, missing_is_zero=True))
+            sizes.append(size)
+    elif styles == {"colwise"}:
+        for part, size in zip(parts, module.output_sizes):
+            what = f"the {size // unit} {'heads' if unit > 1 else 'rows'} of {part}"
+            a, b = unit_range(size // unit, unit, rank, tp, what, can_share=unit > 1)
+            weight_pieces.append(Piece(f"{part}.weight", 0, a, b))
+            bias_pieces.append(Piece(f"{part}.bias", 0, a, b, missing_is_zero=True))
+            sizes.append(b - a)
+    else:
+        raise ValueError(f"the parts {parts} of one merged linear must all be colwise")
+    module.weight = _meta_param((sum(sizes), module.in_features), module.weight)
+    module.out_features = sum(sizes)
+    module.output_sizes = sizes
+    load[f"{name}.weight"] = weight_pieces
+    if module.bias is not None:
+        # NOTE: MergedLinear gives parts without a bias zero rows; so does the reader
+        module.bias = _meta_param((sum(sizes),), module.bias)
+        load[f"{name}.bias"] = bias_pieces
+
+
+def _shard_linear(
+    module: nn.Linear,
+    name: str,
+    style: str | None,
+    unit: int,
+    rank: int,
+    tp: int,
+    load: LoadPlan,
+) -> None:
+    if style is None:
+        for pname, _ in module.named_parameters(recurse=False):
+            load[f"{name}.{pname}"] = [Piece(f"{name}.{pname}", None)]
+        return
+    if style == "colwise":
+        size = module.out_features
+        what = f"the {size // unit} {'heads' if unit > 1 else 'rows'} of {name}"
+        a, b = unit_range(size // unit, unit, rank, tp, what, can_share=unit > 1)
+        module.weight = _meta_param((b - a, module.in_features), module.weight)
+        load[f"{name}.weight"] = [Piece(f"{name}.weight", 0, a, b)]
+        if module.bias is not None:
+            module.bias = _meta_param((b - a,), module.bias)
+            load[f"{name}.bias"] = [Piece(f"{name}.bias", 0, a, b)]
+        module.out_features = b - a
+        return
+    size = module.in_features
+    what = f"the {size // unit} input {'heads' if unit > 1 else 'columns'} of {name}"
+    a, b = unit_range(size // unit, unit, rank, tp, what, can_share=False)
+    module.weight = _meta_param((module.out_features, b - a), module.weight)
+    load[f"{name}.weight"] = [Piece(f"{name}.weight", 1, a, b)]
+    if module.bias is not None:
+        if rank == 0:  # NOTE: summed over ranks, so only one rank adds the bias
+            load[f"{name}.bias"] = [Piece(f"{name}.bias", None)]
+        else:
+            module.bias = None
+    module.in_features = b - a
+    _add_all_reduce(module)
+
+
+class CheckpointReader:
+    """Reads slices of tensors from a folder of safetensors files, never whole files."""
+
+    def __init__(self, folder: str | Path) -> None:
+        from safetensors import safe_open
+
+        folder = Path(folder)
+        index = folder / "model.safetensors.index.json"
+        if index.exists():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+        else:
+            files = sorted(p.name for p in folder.glob("*.safetensors"))
+            weight_map = None
+        if not files:
+            raise FileNotFoundError(
+                f"tp > 1 loads each rank's shard from safetensors files; {folder} has none"
+            )
+        self._handles = {f: safe_open(str(folder / f), framework="pt", device="cpu") for f in files}
+        if weight_map is None:
+            weight_map = {k: f for f, h in self._handles.items() for k in h.keys()}
+        self.weight_map = weight_map
+
+    def read(self, piece: Piece, like: torch.Tensor) -> torch.Tensor:
+        """The rows of one piece, in `like`'s dtype (on CPU)."""
+        if piece.key is None or (piece.missing_is_zero and piece.key not in self.weight_map):
+            return torch.zeros(piece.stop - piece.start, *like.shape[1:], dtype=like.dtype)
+        if piece.key not in self.weight_map:
+            raise KeyError(f"tensor {piece.key} is not in the checkpoint")
+        sl = self._handles[self.weight_map[piece.key]].get_slice(piece.key)
+        if piece.dim is None:
+            t = sl[:]
+        elif piece.dim == 0:
+            t = sl[piece.start : piece.stop]
+        else:
+            t = sl[:, piece.start : piece.stop]
+        t = t.to(like.dtype)
+        if piece.pad:
+            t = torch.cat([t, t.new_zeros(piece.pad, *t.shape[1:])])
+        return t
+
+
+def materialize(
+    model: nn.Module, load: LoadPlan, reader: CheckpointReader, device: torch.device
+) -> None:
+    """Replace every meta parameter with its slices read from the checkpoint (tied parameters
+    stay tied), move buffers to `device` and repack the linears."""
+    new: dict[int, nn.Parameter] = {}
+    for name, param in model.named_parameters():
+        pieces = load.get(name)
+        if pieces is None:
+            raise KeyError(f"no load plan for parameter {name}")
+        parts = [reader.read(p, param) for p in pieces]
+        t = parts[0] if len(parts) == 1 else torch.cat(parts)
+        if tuple(t.shape) != tuple(param.shape):
+            raise ValueError(f"{name}: read {tuple(t.shape)}, expected {tuple(param.shape)}")
+        new[id(param)] = nn.Parameter(t.to(device), requires_grad=False)
+    for module in model.modules():
+        for pname, p in list(module._parameters.items()):
+            if p is not None:
+                module._parameters[pname] = new[id(p)]
+    model.to(device)
+    for module in model.modules():
+        if isinstance(module, PackedLinear):
+            module.repack()

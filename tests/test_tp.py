@@ -1,0 +1,242 @@
+"""Tensor parallelism over gloo on CPU: tp=2 equals tp=1 token for token (GQA, and fewer KV
+heads than ranks, with preemption and several threads), shards hold ~1/N of the weights,
+close() leaves no process, a dead or failing worker fails every request without a hang, and
+bad settings are refused before any process starts."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lmengine import Engine, EngineConfig, GenerationConfig
+from lmengine.distributed.load import load_shard, weight_bytes
+from tests.conftest import save_tiny_llama
+from tests.engine_utils import random_prompts, run_threads
+
+LENGTHS = [1, 5, 17, 33, 3, 40]
+NEW = 12
+# the longest sequence needs 13 blocks of 4: a pool of 24 holds fewer than two at once
+PREEMPT = dict(block_size=4, num_gpu_blocks=24)
+
+
+@pytest.fixture(scope="module")
+def kv1_path(tmp_path_factory, smollm2_path) -> str:
+    """4 query heads, 1 KV head: with tp=2 both ranks hold the same KV head. Also tied
+    embeddings and random biases on every linear (colwise biases split per part, rowwise
+    biases added once)."""
+    from transformers import AutoModelForCausalLM
+
+    path = save_tiny_llama(
+        tmp_path_factory.mktemp("tiny_kv1"),
+        smollm2_path,
+        num_key_value_heads=1,
+        tie_word_embeddings=True,
+        attention_bias=True,
+        mlp_bias=True,
+    )
+    model = AutoModelForCausalLM.from_pretrained(path)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.copy_(0.1 * torch.randn_like(p))  # larger biases made outputs repetitive
+    model.save_pretrained(path)
+    return path
+
+
+def _prompts(path: str) -> list[list[int]]:
+    from transformers import AutoConfig
+
+    return random_prompts(LENGTHS, AutoConfig.from_pretrained(path).vocab_size, seed=3)
+
+
+def _run(path: str, tp: int, threads: int, **cfg) -> tuple[list, dict, Engine]:
+    # NOTE: device="cpu": these tests are about gloo; on a GPU machine tp=2 would need 2 GPUs
+    engine = Engine.from_pretrained(path, EngineConfig(tp=tp, device="cpu", **cfg))
+    got = run_threads(
+        engine, _prompts(path), GenerationConfig(max_new_tokens=NEW), num_threads=threads
+    )
+    return [r.token_ids for r in got if r.finish_reason in ("stop", "length")], got, engine
+
+
+def _assert_no_worker_left(procs) -> None:
+    for proc in procs:
+        proc.wait(timeout=10)  # raises if a worker is still running
+    assert not dist.is_initialized()
+
+
+def test_tp2_equals_tp1_with_preemption_and_threads(tiny_llama_path):
+    expected, _, ref = _run(tiny_llama_path, 1, threads=3, **PREEMPT)
+    ref.close()
+    got, responses, engine = _run(tiny_llama_path, 2, threads=3, **PREEMPT)
+    procs = list(engine.model_agent.workers.procs.values())
+    try:
+        assert [r.error for r in responses] == [None] * len(LENGTHS)
+        assert got == expected
+        stats = engine.stats()
+        assert stats["num_preemptions"] > 0, "the small pool was meant to force preemption"
+        assert stats["num_free_blocks"] == stats["num_total_blocks"]
+        engine.check_integrity()
+        # every rank holds about half of the weights (norms are replicated)
+        per_rank = engine.call(engine.model_agent.rank_weight_bytes)
+        full = sum(os.path.getsize(p) for p in _safetensors(tiny_llama_path))
+        assert len(per_rank) == 2
+        for b in per_rank:
+            assert 0.45 * full < b < 0.55 * full, (per_rank, full)
+    finally:
+        engine.close()
+    assert [p.returncode for p in procs] == [0]  # stopped by the engine, not killed
+    _assert_no_worker_left(procs)
+
+
+def _safetensors(path: str) -> list[str]:
+    return [os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors")]
+
+
+def test_shards_hold_their_slice_only(tiny_llama_path, kv1_path):
+    """Per-rank shapes and bytes, without processes: each rank reads its slices only."""
+    full, _ = load_shard(tiny_llama_path, "float32", torch.device("cpu"), 0, 1, False)
+    shards = [
+        load_shard(tiny_llama_path, "float32", torch.device("cpu"), r, 2, False)[0] for r in (0, 1)
+    ]
+    for shard in shards:
+        attn = shard.model.layers[0].self_attn
+        assert attn.qkv_proj.output_sizes == [2 * 16, 16, 16]  # 2 of 4 heads, 1 of 2 KV heads
+        assert attn.o_proj.in_features == 32
+        assert shard.model.layers[0].mlp.gate_up_proj.output_sizes == [64, 64]
+        assert 0.45 < weight_bytes(shard) / weight_bytes(full) < 0.55
+    # q rows of rank 1 are heads 2..3 of the full q projection, k rows KV head 1
+    full_qkv = full.model.layers[0].self_attn.qkv_proj
+    qkv1 = shards[1].model.layers[0].self_attn.qkv_proj
+    q_full, k_full, _ = full_qkv.split(full_qkv.weight.T)  # [in, rows] per part
+    q1, k1, _ = qkv1.split(qkv1.weight.T)
+    assert torch.equal(q1, q_full[:, 32:]) and torch.equal(k1, k_full[:, 16:])
+    # fewer KV heads than ranks: both ranks hold the one KV head
+    kv1 = [load_shard(kv1_path, "float32", torch.device("cpu"), r, 2, False)[0] for r in (0, 1)]
+    k = [m.model.layers[1].self_attn.qkv_proj.weight[32:48] for m in kv1]
+    assert kv1[0].model.layers[1].self_attn.qkv_proj.output_sizes == [32, 16, 16]
+    assert torch.equal(k[0], k[1])
+    assert kv1[0].lm_head.weight is kv1[0].model.embed_tokens.weight  # still tied
+    # biases: colwise ones split with their rows, rowwise ones on rank 0 only
+    full1, _ = load_shard(kv1_path, "float32", torch.device("cpu"), 0, 1, False)
+    full_attn, attn1 = full1.model.layers[0].self_attn, kv1[1].model.layers[0].self_attn
+    q_b, k_b, v_b = full_attn.qkv_proj.split(full_attn.qkv_proj.bias)
+    assert torch.equal(attn1.qkv_proj.bias, torch.cat([q_b[32:], k_b, v_b]))
+    gate_b, up_b = full1.model.layers[0].mlp.gate_up_proj.split(
+        full1.model.layers[0].mlp.gate_up_proj.bias
+    )
+    assert torch.equal(
+        kv1[1].model.layers[0].mlp.gate_up_proj.bias, torch.cat([gate_b[64:], up_b[64:]])
+    )
+    assert torch.equal(kv1[0].model.layers[0].self_attn.o_proj.bias, full_attn.o_proj.bias)
+    assert attn1.o_proj.bias is None
+
+
+def test_vocab_shards_cover_the_vocabulary_once():
+    from lmengine.distributed.shard import _vocab_range
+
+    for vocab, tp in [(49152, 2), (49153, 2), (10, 4), (7, 8)]:
+        ranges = [_vocab_range(vocab, r, tp) for r in range(tp)]
+        rows = [i for start, stop, _ in ranges for i in range(start, stop)]
+        assert rows == list(range(vocab))
+        assert len({stop - start + pad for start, stop, pad in ranges}) == 1  # equal shards
+
+
+def test_tp2_fewer_kv_heads_than_ranks_then_a_worker_dies(kv1_path):
+    expected, _, ref = _run(kv1_path, 1, threads=2, **PREEMPT)
+    ref.close()
+    got, responses, engine = _run(kv1_path, 2, threads=2, **PREEMPT)
+    procs = list(engine.model_agent.workers.procs.values())
+    try:
+        assert [r.error for r in responses] == [None] * len(LENGTHS)
+        assert got == expected
+        # kill the worker in the middle of a long generation
+        inst = engine.create_instance()
+        result = {}
+        gen = GenerationConfig(max_new_tokens=400, ignore_eos=True)
+        runner = threading.Thread(
+            target=lambda: result.update(r=inst.infer(1, [5, 6], gen_config=gen))
+        )
+        runner.start()
+        time.sleep(1.0)
+        os.kill(procs[0].pid, signal.SIGKILL)
+        runner.join(timeout=30)
+        assert not runner.is_alive(), "the request hung after its worker died"
+        assert result["r"].finish_reason == "error"
+        assert "worker rank 1 died" in result["r"].error
+        late = inst.infer(2, [5, 6], gen_config=GenerationConfig(max_new_tokens=4))
+        assert late.finish_reason == "error" and "died" in late.error
+        deadline = time.monotonic() + 10
+        while engine.is_alive and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not engine.is_alive, "the engine kept running without its worker"
+    finally:
+        engine.close()
+    _assert_no_worker_left(procs)
+
+
+def test_worker_that_fails_to_start(tiny_llama_path, monkeypatch):
+    from lmengine.distributed import TPWorkerError
+
+    monkeypatch.setenv("LMENGINE_TP_FAULT", "start:1")
+    with pytest.raises(TPWorkerError, match="rank 1 failed: .*injected start failure"):
+        Engine.from_pretrained(tiny_llama_path, EngineConfig(tp=2, device="cpu", num_gpu_blocks=8))
+    assert not dist.is_initialized()
+
+
+def test_bad_tp_settings_are_refused_before_start(tiny_llama_path):
+    cases = [
+        (dict(tp=3), "tp=3 does not divide num_attention_heads=4"),
+        (dict(tp=8), "tp=8 does not divide num_attention_heads=4"),
+        (dict(tp=2, adapters={"a": "/nowhere"}), "LoRA adapters is not supported"),
+        (dict(tp=2, quant_policy="w8a8"), "w8a8"),
+    ]
+    if (os.cpu_count() or 1) < 4:
+        cases.append((dict(tp=4), "CPU cores"))
+    for cfg, message in cases:
+        with pytest.raises(ValueError, match=message):
+            Engine.from_pretrained(tiny_llama_path, EngineConfig(device="cpu", **cfg))
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_path)
+    with pytest.raises(ValueError, match="from_pretrained"):
+        Engine(model, None, EngineConfig(tp=2))
+
+
+def test_step_channel_round_trip_and_growth():
+    """The wire format and its protocol without processes: the broadcast is replaced by a
+    list that the sender appends to and the receiver reads in order."""
+    from lmengine.distributed.step import StepChannel, StepInputs
+
+    sender, receiver = StepChannel(torch.device("cpu"), 64), StepChannel(torch.device("cpu"), 64)
+    wire: list[torch.Tensor] = []
+    sender._broadcast = lambda: wire.append(sender.buffer.clone())
+    receiver._broadcast = lambda: receiver.buffer.copy_(wire.pop(0))
+    big = StepInputs(
+        swap_in=[(1, 2)],
+        swap_out=[(3, 4), (5, 6)],
+        copy=[],
+        token_ids=torch.arange(300),
+        start_pos=[0, 7],
+        q_lens=[299, 1],
+        needs_sample=[True, False],
+        block_tables=[list(range(75)), [80, 81]],
+    )
+    small = StepInputs([], [], [(9, 10)], torch.tensor([5]), [3], [1], [True], [[2]])
+    for inputs in (big, small, big):
+        sender.send(inputs)
+        got = receiver.receive()
+        assert not wire
+        for field in ("swap_in", "swap_out", "copy", "start_pos", "q_lens", "needs_sample"):
+            assert getattr(got, field) == getattr(inputs, field), field
+        assert got.block_tables == inputs.block_tables
+        assert torch.equal(got.token_ids, inputs.token_ids)
+    assert receiver.buffer.numel() == sender.buffer.numel() >= 8 + 300 + 75
+    sender.send(None)
+    assert receiver.receive() is None
