@@ -154,11 +154,13 @@ def lora_add_cpu(
     if meta.tile_tokens.numel() == 0:
         return out
     num_tiles, tile_size = meta.tile_tokens.shape
-    pages = page_table.long()[meta.tile_adapter]  # [tiles, max_rank]
-    a = lora_a[pages]  # [tiles, max_rank, in]
-    b = lora_b[pages]  # [tiles, max_rank, out]
-    scale = lora_scale[pages].unsqueeze(1)  # [tiles, 1, max_rank]
-    xs = x[meta.tile_tokens]  # [tiles, tile_size, in]
+    # NOTE: index_select copies whole rows; advanced indexing (`lora_a[pages]`) was 3x slower
+    pages = page_table.long().index_select(0, meta.tile_adapter).view(-1)  # [tiles * max_rank]
+    max_rank = page_table.shape[1]
+    a = lora_a.index_select(0, pages).view(num_tiles, max_rank, -1)  # [tiles, max_rank, in]
+    b = lora_b.index_select(0, pages).view(num_tiles, max_rank, -1)  # [tiles, max_rank, out]
+    scale = lora_scale.index_select(0, pages).view(num_tiles, 1, max_rank)
+    xs = x.index_select(0, meta.tile_tokens.view(-1)).view(num_tiles, tile_size, -1)
     h = torch.bmm(xs, a.transpose(1, 2)) * (scale * meta.tile_valid)  # [tiles, tile, rank]
     y = torch.bmm(h, b)  # [tiles, tile_size, out]
     out.index_add_(0, meta.tile_tokens.view(-1), y.view(num_tiles * tile_size, -1))
