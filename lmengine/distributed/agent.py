@@ -131,6 +131,11 @@ class TPModelAgent(ModelAgent):
             raise ValueError("tp > 1 with LoRA adapters is not supported yet")
         if cfg.quant_policy is not None:
             raise ValueError(f"tp > 1 with quant_policy={cfg.quant_policy!r} is not supported yet")
+        from lmengine.engine.loader import resolve_model_path
+        from lmengine.quant.w8a8 import read_quant_config
+
+        if read_quant_config(resolve_model_path(model_path)) is not None:
+            raise ValueError("tp > 1 with a w8a8 checkpoint is not supported yet: use tp=1")
         if dist.is_initialized():
             raise RuntimeError(
                 "a process group already exists in this process: one tensor-parallel engine "

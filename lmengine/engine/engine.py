@@ -44,6 +44,7 @@ from lmengine.scheduler import (
     Sequence,
     get_policy,
 )
+from lmengine.scheduler.qos import QoS, QoSError
 
 logger = logging.getLogger("lmengine")
 
@@ -125,6 +126,8 @@ class Engine:
         step of one sequence: 64 ms here, 128 ms with the model loaded by the caller).
         """
         cfg = self.engine_config
+        # NOTE: read the QoS file first: a malformed one fails before the model loads
+        self._qos = QoS.from_file(cfg.qos_config_path) if cfg.qos_config_path else None
         model, tokenizer, path, device = loader()
         self.tokenizer = tokenizer
         self.model_path = path or self.model_path
@@ -142,11 +145,15 @@ class Engine:
             self.info = ModelInfo.from_hf(model.config, getattr(model, "generation_config", None))
             self.model_agent = ModelAgent(model, self.info, cfg, device)
         num_blocks = self.model_agent.num_gpu_blocks
+        if cfg.eviction_type == "swap" and not cfg.num_cpu_blocks:
+            logger.warning("eviction_type='swap' with num_cpu_blocks=0: preempting by recompute")
         self.scheduler = Scheduler(
             BlockManager(num_blocks, cfg.num_cpu_blocks, cfg.block_size),
-            get_policy(cfg.scheduling_policy),
+            get_policy(cfg.scheduling_policy, priority_aging_s=cfg.priority_aging_s),
             max_batch_size=cfg.max_batch_size,
             max_prefill_token_num=cfg.max_prefill_token_num,
+            eviction_type=cfg.eviction_type,
+            qos=self._qos,
         )
         # NOTE: a sequence can never outgrow the whole KV pool, so cap its length there.
         wanted = cfg.session_len or self.info.max_position_embeddings
@@ -242,7 +249,9 @@ class Engine:
         """Assert that every KV block is owned exactly by the live sequences (loop-thread safe)."""
         self.call(self.scheduler.check_integrity)
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict:
+        """Scheduler counters (see `Scheduler.stats`): queue lengths incl. `num_swapped`, free
+        blocks of both pools, preemptions, and per-group QoS counters under "qos"."""
         return self.call(self.scheduler.stats)
 
     # ---- LoRA adapters ------------------------------------------------------------------------
@@ -326,6 +335,11 @@ class Engine:
             isinstance(req.priority, bool) or not isinstance(req.priority, int)
         ):
             raise RequestError(f"priority must be an integer or None, got {req.priority!r}")
+        if self._qos is not None:
+            try:
+                self._qos.tenant(req.user_id)
+            except QoSError as e:
+                raise RequestError(str(e)) from None
 
     # ---- the loop thread ----------------------------------------------------------------------
     def _loop(self) -> None:

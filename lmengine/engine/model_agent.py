@@ -18,6 +18,7 @@ from lmengine.kernels import AttentionMetadata, cpu_ext
 from lmengine.models import patch
 from lmengine.models.context import StepContext, step_context
 from lmengine.models.model_info import ModelInfo
+from lmengine.quant import apply_quant_policy
 from lmengine.scheduler.scheduler import SchedulerOutput
 
 
@@ -31,7 +32,7 @@ class ModelAgent:
         engine_config: EngineConfig,
         device: torch.device,
     ) -> None:
-        self.model = patch(model)
+        self.model = apply_quant_policy(patch(model), engine_config)
         if device.type == "cpu":
             cpu_ext.load()  # NOTE: build the compiled kernels now, not inside the first step
         self.info = info

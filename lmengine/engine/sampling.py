@@ -1,6 +1,7 @@
 """Batched sampling: one pass over the [num_samples, vocab] logits for the whole batch.
 
-Order of operations (as transformers): repetition penalty, no-repeat-ngram ban, min-new-tokens
+Order of operations (as transformers): repetition penalty, OpenAI presence and frequency
+penalties (over the generated tokens only, as OpenAI and vLLM), no-repeat-ngram ban, min-new-tokens
 ban of stop tokens, then greedy argmax, or temperature -> top-k -> top-p -> draw. Draws use the
 exponential-race trick (argmax of p / Exp(1) noise); a request with `random_seed` draws its noise
 from its own generator, so its tokens do not depend on the rest of the batch. Logprobs are those
@@ -34,6 +35,29 @@ def banned_ngram_tokens(token_ids: list[int], n: int) -> list[int]:
         if tuple(token_ids[i : i + n - 1]) == prefix:
             banned.append(token_ids[i + n - 1])
     return banned
+
+
+def openai_penalties(
+    logits: torch.Tensor,
+    generated: list[list[int]],
+    presence: list[float],
+    frequency: list[float],
+) -> torch.Tensor:
+    """OpenAI's presence and frequency penalties, one row per sequence, in one pass:
+    `logit[j] -= presence * (count[j] > 0) + frequency * count[j]`, where `count[j]` is how
+    often token j occurs among the row's generated tokens. logits: [num_rows, vocab]."""
+    num_rows, vocab = logits.shape
+    dev = logits.device
+    width = max((len(g) for g in generated), default=0)
+    counts = torch.zeros(num_rows, vocab + 1, device=dev)  # [num_rows, vocab + 1]
+    if width:
+        # NOTE: rows are padded with the extra column `vocab`, dropped below
+        index = torch.tensor([g + [vocab] * (width - len(g)) for g in generated], device=dev)
+        counts.scatter_add_(1, index, torch.ones(index.shape, device=dev))
+    counts = counts[:, :vocab]  # [num_rows, vocab]
+    presence_t = torch.tensor(presence, device=dev, dtype=logits.dtype)[:, None]
+    frequency_t = torch.tensor(frequency, device=dev, dtype=logits.dtype)[:, None]
+    return logits - presence_t * (counts > 0).to(logits.dtype) - frequency_t * counts
 
 
 class Sampler:
@@ -96,6 +120,14 @@ class Sampler:
             picked = sub.gather(1, index)
             picked = torch.where(picked > 0, picked / penalty[:, None], picked * penalty[:, None])
             logits[rows] = sub.scatter(1, index, picked)
+        rows = [i for i, c in enumerate(cfgs) if c.presence_penalty or c.frequency_penalty]
+        if rows:
+            logits[rows] = openai_penalties(
+                logits[rows],
+                [seqs[i].generated_token_ids for i in rows],
+                [cfgs[i].presence_penalty for i in rows],
+                [cfgs[i].frequency_penalty for i in rows],
+            )
         for i, (seq, c) in enumerate(zip(seqs, cfgs)):
             if c.no_repeat_ngram_size:
                 banned = banned_ngram_tokens(seq.token_ids, c.no_repeat_ngram_size)

@@ -1,14 +1,18 @@
 """The compiled CPU kernels (lmengine/kernels/csrc/cpu_ops.cpp), built once on first use.
 
-`load()` compiles the C++ source with torch.utils.cpp_extension into the lmengine cache (keyed
-by a hash of the source, so an edit rebuilds) and returns the module, or None when it cannot be
-built (no C++ compiler, a torch without headers) or `LMENGINE_CPU_EXT=0`: callers then use their
-PyTorch path. `scripts/setup.sh` builds it ahead, so the first engine does not wait.
+`load()` returns the module, or None when it cannot be built (no C++ compiler, a torch without
+headers) or `LMENGINE_CPU_EXT=0`: callers then use their PyTorch path. The build goes to the
+lmengine cache, in a folder named by a hash of the source and the compiler flags, so an edit
+rebuilds and a finished build is imported directly without running the compiler again.
+`scripts/setup.sh` builds it ahead, so the first engine does not wait.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
+import importlib.machinery
+import importlib.util
 import logging
 import os
 import threading
@@ -16,6 +20,7 @@ from pathlib import Path
 from types import ModuleType
 
 _SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_ops.cpp"
+_CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 _lock = threading.Lock()
 _module: ModuleType | None = None
 _tried = False
@@ -26,11 +31,39 @@ def is_enabled() -> bool:
     return os.environ.get("LMENGINE_CPU_EXT", "1") != "0"
 
 
-def _build_dir(digest: str) -> Path:
+def _import_built(name: str, path: Path) -> ModuleType:
+    loader = importlib.machinery.ExtensionFileLoader(name, str(path))
+    spec = importlib.util.spec_from_file_location(name, path, loader=loader)
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
+
+
+def _build() -> ModuleType:
+    import torch  # noqa: F401 - the extension links against the loaded torch libraries
+    from torch.utils.cpp_extension import load as build
+
+    digest = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_CFLAGS).encode()).hexdigest()[:16]
+    name = f"lmengine_cpu_ops_{digest}"
     root = Path(os.environ.get("LMENGINE_CACHE", Path.home() / ".cache" / "lmengine"))
-    path = root / "cpu_ext" / digest
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+    build_dir = root / "cpu_ext" / digest
+    build_dir.mkdir(parents=True, exist_ok=True)
+    built = build_dir / f"{name}.so"
+    # NOTE: an flock dies with its process, so a build killed half-way (a timeout, Ctrl-C)
+    # cannot leave the next process waiting forever, as torch's own lock file would.
+    with open(build_dir / "build.flock", "w") as lock_file:
+        fcntl.flock(lock_file, fcntl.LOCK_EX)
+        if built.exists():
+            return _import_built(name, built)
+        (build_dir / "lock").unlink(missing_ok=True)  # a torch lock left by a killed build
+        return build(
+            name=name,
+            sources=[str(_SOURCE)],
+            extra_cflags=_CFLAGS,
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(build_dir),
+            verbose=False,
+        )
 
 
 def load() -> ModuleType | None:
@@ -39,22 +72,10 @@ def load() -> ModuleType | None:
     if not is_enabled():
         return None
     with _lock:
-        if _tried:
-            return _module
-        _tried = True
-        try:
-            from torch.utils.cpp_extension import load as build
-
-            digest = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:16]
-            _module = build(
-                name=f"lmengine_cpu_ops_{digest}",
-                sources=[str(_SOURCE)],
-                extra_cflags=["-O3", "-march=native", "-fopenmp"],
-                extra_ldflags=["-fopenmp"],
-                build_directory=str(_build_dir(digest)),
-                verbose=False,
-            )
-        except Exception as exc:  # noqa: BLE001 - any build failure means: use the torch path
-            logger.warning("lmengine CPU kernels unavailable, using PyTorch paths: %s", exc)
-            _module = None
+        if not _tried:
+            _tried = True
+            try:
+                _module = _build()
+            except Exception as exc:  # noqa: BLE001 - any failure means: use the torch path
+                logger.warning("lmengine CPU kernels unavailable, using PyTorch paths: %s", exc)
         return _module

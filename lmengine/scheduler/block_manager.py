@@ -85,14 +85,55 @@ class BlockManager:
         self.allocate(seq, seq.num_computed_tokens + 1)
 
     def free(self, seq: Sequence) -> None:
+        """Release every block `seq` holds, on the device and on the host."""
         self.device.free(seq.block_table)
         seq.block_table = []
+        self.host.free(seq.host_block_table)
+        seq.host_block_table = []
+
+    # ---- swap --------------------------------------------------------------------------------
+    def num_cached_blocks(self, seq: Sequence) -> int:
+        """Device blocks that hold computed KV (the rest of the table has no data yet)."""
+        return min(len(seq.block_table), -(-seq.num_computed_tokens // self.block_size))
+
+    def can_swap_out(self, seq: Sequence) -> bool:
+        return self.num_cached_blocks(seq) <= self.host.num_free
+
+    def swap_out(self, seq: Sequence) -> list[tuple[int, int]]:
+        """Move `seq`'s cached blocks to the host pool; returns (device_id, host_id) pairs.
+
+        NOTE: the device blocks are free again at once. The CacheEngine copies them out before
+        the step's forward writes anything, so a block reused in the same step is safe.
+        """
+        num = self.num_cached_blocks(seq)
+        host_ids = self.host.allocate(num)
+        pairs = list(zip(seq.block_table[:num], host_ids))
+        self.device.free(seq.block_table)
+        seq.block_table = []
+        seq.host_block_table = host_ids
+        return pairs
+
+    def can_swap_in(self, seq: Sequence, num_tokens: int) -> bool:
+        """Whether the host blocks of `seq` and slots for its first `num_tokens` tokens fit."""
+        total = max(len(seq.host_block_table), -(-num_tokens // self.block_size))
+        return total <= self.device.num_free
+
+    def swap_in(self, seq: Sequence) -> list[tuple[int, int]]:
+        """Bring `seq`'s host blocks back to fresh device blocks; returns (host_id, device_id)."""
+        device_ids = self.device.allocate(len(seq.host_block_table))
+        pairs = list(zip(seq.host_block_table, device_ids))
+        self.host.free(seq.host_block_table)
+        seq.host_block_table = []
+        seq.block_table = device_ids
+        return pairs
 
     @property
     def num_free_blocks(self) -> int:
         return self.device.num_free
 
     def check_integrity(self, sequences: Iterable[Sequence] | None = None) -> None:
-        tables = () if sequences is None else [s.block_table for s in sequences]
-        self.device.check_integrity(tables)
-        self.host.check_integrity(() if sequences is None else [])
+        """Both pools: free lists and reference counts agree, and (given every live sequence)
+        each block is referenced exactly by the tables that hold it."""
+        seqs = None if sequences is None else list(sequences)
+        self.device.check_integrity(() if seqs is None else [s.block_table for s in seqs])
+        self.host.check_integrity(() if seqs is None else [s.host_block_table for s in seqs])

@@ -2,10 +2,18 @@
 
 There are no separate prefill and decode phases. Each step every scheduled sequence gets the
 tokens it has not computed yet: one for a decode, a chunk of its prompt for a prefill, limited
-by `max_prefill_token_num` prompt tokens per step and `max_batch_size` sequences. Running
-sequences are served first in policy order; when blocks run out the policy's victim is
-preempted by recompute (its blocks freed, its tokens prefilled again later). Waiting
-sequences are admitted in policy order while budget and blocks last.
+by `max_prefill_token_num` prompt tokens per step and `max_batch_size` sequences.
+
+1. Running sequences are served first, in serving order; when blocks run out the last one in
+   that order (the victim) is preempted: by swap (its KV blocks copied to the host pool, it
+   resumes where it stopped) when `eviction_type == "swap"` and the host pool has room, else
+   by recompute (its blocks freed, its tokens prefilled again later).
+2. If nobody was preempted, swapped and waiting sequences are admitted together in serving
+   order (a swapped one resumes before every newer prompt under FCFS) while batch size,
+   budget and blocks last; nobody overtakes the head. A head that the policy or its QoS group
+   lets outrank running sequences preempts them when there is no room.
+
+Serving order = QoS groups (when on), then tenant shares, then the policy's rank.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ from dataclasses import dataclass, field
 from lmengine.scheduler.adapter_manager import AdapterManager, AdapterPlan
 from lmengine.scheduler.block_manager import BlockManager
 from lmengine.scheduler.policies import Policy
+from lmengine.scheduler.qos import QoS
 from lmengine.scheduler.sequence import Sequence, SequenceStatus
 
 
@@ -46,6 +55,8 @@ class SchedulerOutput:
     num_batched_tokens: int = 0  # sum of num_new_tokens
     num_prefill_tokens: int = 0  # tokens of chunks longer than one token
     preempted: list[Sequence] = field(default_factory=list)  # preempted by recompute this step
+    swapped_out: list[Sequence] = field(default_factory=list)  # preempted by swap this step
+    swapped_in: list[Sequence] = field(default_factory=list)  # resumed from the host this step
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device)
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) device
@@ -57,7 +68,7 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    """Owns the waiting and running queues, the sessions and the BlockManager.
+    """Owns the waiting, running and swapped queues, the sessions and the BlockManager.
 
     Never touches tensors. The engine calls `add_sequence`, `schedule`, `update` and
     `abort_sequence` from its loop thread only.
@@ -70,21 +81,37 @@ class Scheduler:
         max_batch_size: int,
         max_prefill_token_num: int,
         clock=time.monotonic,
+        eviction_type: str = "recompute",
+        qos: QoS | None = None,
         adapter_manager: AdapterManager | None = None,
     ) -> None:
+        if eviction_type not in ("recompute", "swap"):
+            raise ValueError(f"eviction_type must be 'recompute' or 'swap', got {eviction_type!r}")
         self.block_manager = block_manager
-        self.adapter_manager = adapter_manager
         self.policy = policy
         self.max_batch_size = max_batch_size
         self.max_prefill_token_num = max_prefill_token_num
         self.clock = clock
+        self.eviction_type = eviction_type
+        self.qos = qos
+        self.adapter_manager = adapter_manager
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
+        self.swapped: list[Sequence] = []
         self.sessions: dict[int, list[Sequence]] = {}  # session_id -> its live sequences
-        self.num_preemptions = 0
+        self.num_preemptions = 0  # by recompute or swap
+        self.num_recomputes = 0
+        self.num_swap_outs = 0
+        self.num_swap_ins = 0
+        self.num_swapped_blocks = 0  # blocks copied to the host, in total
+        self.num_arrival_preemptions = 0  # running ones preempted to make room for a waiting one
+        self._prefill_budget = 0
 
     # ---- admission and removal -------------------------------------------------------------
     def add_sequence(self, seq: Sequence) -> None:
+        """Queue a new sequence. With QoS on, an unplaceable user raises QoSError."""
+        if self.qos is not None:
+            seq.tenant = self.qos.tenant(seq.user_id)
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
         self.sessions.setdefault(seq.session_id, []).append(seq)
@@ -95,8 +122,9 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status == SequenceStatus.WAITING:
             self.waiting.remove(seq)
-        if seq.block_table:
-            self.block_manager.free(seq)
+        elif seq.status == SequenceStatus.SWAPPED:
+            self.swapped.remove(seq)
+        self.block_manager.free(seq)
         if self.adapter_manager is not None:
             self.adapter_manager.release(seq)
         seq.status = SequenceStatus.FINISHED
@@ -115,31 +143,51 @@ class Scheduler:
 
     @property
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)
 
     def live_sequences(self) -> Iterable[Sequence]:
-        return [*self.running, *self.waiting]
+        return [*self.running, *self.waiting, *self.swapped]
+
+    # ---- ordering ----------------------------------------------------------------------------
+    def order(self, seqs: list[Sequence], now: float) -> list[Sequence]:
+        """Serving order: QoS group and tenant share first (when on), then the policy."""
+        if self.qos is not None:
+            return self.qos.order(seqs, self.policy, now)
+        return self.policy.order(seqs, now)
+
+    def victim(self, seqs: list[Sequence], now: float) -> Sequence:
+        """The sequence to preempt among `seqs`: the last in serving order."""
+        if self.qos is not None:
+            return self.order(seqs, now)[-1]
+        return self.policy.victim(seqs, now)
+
+    def outranks(self, seq: Sequence, running: Sequence, now: float) -> bool:
+        """Whether waiting `seq` may preempt `running` when there is no room for it: a higher
+        QoS group always may; within one tenant (or without QoS) only if the policy says so."""
+        if self.qos is not None:
+            decided = self.qos.outranks(seq, running)
+            if decided is not None:
+                return decided
+        return self.policy.preempts_running and self.policy.outranks(seq, running, now)
 
     # ---- one step ----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         now = self.clock()
         out = SchedulerOutput()
-        prefill_budget = self.max_prefill_token_num
+        self._prefill_budget = self.max_prefill_token_num
         bm = self.block_manager
 
         # 1. running sequences, best first; victims come from the tail
-        queue = self.policy.order(self.running, now)
+        queue = self.order(self.running, now)
         kept: list[Sequence] = []
         while queue:
             seq = queue.pop(0)
-            num_new = seq.num_tokens - seq.num_computed_tokens
-            if num_new > 1:
-                num_new = min(num_new, prefill_budget)
-                if num_new == 0:
-                    kept.append(seq)  # chunked prefill waits for budget; keeps its blocks
-                    continue
+            num_new = self._num_new_tokens(seq)
+            if num_new == 0:
+                kept.append(seq)  # chunked prefill waits for budget; keeps its blocks
+                continue
             while not bm.can_allocate(seq, seq.num_computed_tokens + num_new):
-                victim = self.policy.victim(queue, now) if queue else seq
+                victim = self.victim(queue, now) if queue else seq
                 self._preempt(victim, out)
                 if victim is seq:
                     break
@@ -149,31 +197,107 @@ class Scheduler:
             bm.allocate(seq, seq.num_computed_tokens + num_new)
             kept.append(seq)
             self._emit(seq, num_new, out)
-            if num_new > 1:
-                prefill_budget -= num_new
         self.running = kept
 
-        # 2. waiting sequences, only when nothing was preempted (admitting now would thrash)
-        if not out.preempted:
-            for seq in self.policy.order(self.waiting, now):
-                if len(self.running) >= self.max_batch_size or prefill_budget <= 0:
-                    break
-                num_new = min(seq.num_tokens - seq.num_computed_tokens, prefill_budget)
-                if not bm.can_allocate(seq, seq.num_computed_tokens + num_new):
-                    break  # NOTE: strict order: nobody overtakes the head of the queue
-                # NOTE: adapter residency is a resource like blocks, in the same strict order:
-                # a hot adapter cannot starve a cold one by overtaking it
-                if self.adapter_manager is not None and not self.adapter_manager.acquire(seq):
-                    break
-                bm.allocate(seq, seq.num_computed_tokens + num_new)
-                self.waiting.remove(seq)
-                seq.status = SequenceStatus.RUNNING
-                self.running.append(seq)
-                self._emit(seq, num_new, out)
-                prefill_budget -= num_new
+        # 2. swapped and waiting sequences, only when nothing was preempted (admitting now
+        # would thrash)
+        if not (out.preempted or out.swapped_out):
+            self._admit(out, now)
         if self.adapter_manager is not None:
             out.adapter_plan = self.adapter_manager.plan(it.seq.adapter_id for it in out.scheduled)
         return out
+
+    def _num_new_tokens(self, seq: Sequence) -> int:
+        """Tokens `seq` computes this step: 1 for a decode, else a chunk within the budget."""
+        num_new = seq.num_tokens - seq.num_computed_tokens
+        return num_new if num_new <= 1 else min(num_new, self._prefill_budget)
+
+    def _admit(self, out: SchedulerOutput, now: float) -> None:
+        bm = self.block_manager
+        admitted: set[int] = set()
+        for seq in self.order([*self.swapped, *self.waiting], now):
+            num_new = self._num_new_tokens(seq)
+            if num_new == 0:
+                break  # NOTE: strict order: nobody overtakes the head of the queue
+            is_swapped = seq.status == SequenceStatus.SWAPPED
+            if is_swapped and out.swapped_out:
+                # NOTE: swap-ins are copied before swap-outs; a device block freed by a
+                # swap-out this step must not receive a swap-in in the same step
+                break
+            num_tokens = seq.num_computed_tokens + num_new
+
+            def fits(seq=seq, is_swapped=is_swapped, num_tokens=num_tokens) -> bool:
+                if len(self.running) >= self.max_batch_size:
+                    return False
+                if is_swapped:
+                    return bm.can_swap_in(seq, num_tokens)
+                return bm.can_allocate(seq, num_tokens)
+
+            if not fits():
+                if not self._make_room(seq, num_tokens, admitted, out, now):
+                    break
+                if is_swapped and out.swapped_out:
+                    break  # NOTE: the same hazard: it comes back next step, in the room made
+                if not fits():
+                    break
+            # NOTE: adapter residency is a resource like blocks, in the same strict order: a
+            # hot adapter cannot starve a cold one by overtaking it
+            if self.adapter_manager is not None and not self.adapter_manager.acquire(seq):
+                break
+            if is_swapped:
+                pairs = bm.swap_in(seq)
+                out.blocks_to_swap_in.extend(pairs)
+                out.swapped_in.append(seq)
+                self.swapped.remove(seq)
+                self.num_swap_ins += 1
+            else:
+                self.waiting.remove(seq)
+            bm.allocate(seq, num_tokens)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            admitted.add(seq.seq_id)
+            self._emit(seq, num_new, out)
+
+    def _make_room(
+        self, seq: Sequence, num_tokens: int, admitted: set[int], out: SchedulerOutput, now: float
+    ) -> bool:
+        """Preempt running sequences that `seq` outranks, worst first, if that makes room for
+        it; otherwise preempt nobody. Returns whether anything was preempted."""
+        bm = self.block_manager
+        candidates = [
+            r for r in self.running if r.seq_id not in admitted and self.outranks(seq, r, now)
+        ]
+        if not candidates:
+            return False
+        order = self.order(candidates, now)
+        need_blocks = max(len(seq.host_block_table), -(-num_tokens // bm.block_size))
+        need_blocks -= len(seq.block_table) + bm.num_free_blocks
+        need_slots = len(self.running) + 1 - self.max_batch_size
+        chosen: list[Sequence] = []
+        while order and (need_blocks > 0 or need_slots > 0):
+            victim = order.pop()
+            chosen.append(victim)
+            need_blocks -= len(victim.block_table)
+            need_slots -= 1
+        if need_blocks > 0 or need_slots > 0:
+            return False
+        self.num_arrival_preemptions += len(chosen)
+        for victim in chosen:
+            self._unschedule(victim, out)
+            self.running.remove(victim)
+            self._preempt(victim, out)
+        return True
+
+    def _unschedule(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """Take `seq`'s share of this step back out of `out` (it is being preempted)."""
+        for i, item in enumerate(out.scheduled):
+            if item.seq is seq:
+                del out.scheduled[i]
+                out.num_batched_tokens -= item.num_new_tokens
+                if item.num_new_tokens > 1:
+                    out.num_prefill_tokens -= item.num_new_tokens
+                    self._prefill_budget += item.num_new_tokens
+                return
 
     def _emit(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> None:
         start = seq.num_computed_tokens
@@ -182,15 +306,28 @@ class Scheduler:
         out.num_batched_tokens += num_new
         if num_new > 1:
             out.num_prefill_tokens += num_new
+            self._prefill_budget -= num_new
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
-        """Preempt by recompute: drop the KV, requeue; the tokens are prefilled again."""
-        self.block_manager.free(seq)
-        seq.num_computed_tokens = 0
+        """Preempt by swap when asked for and the host pool has room; else by recompute."""
+        bm = self.block_manager
         seq.num_preemptions += 1
+        self.num_preemptions += 1
+        if self.eviction_type == "swap" and bm.num_cached_blocks(seq) > 0 and bm.can_swap_out(seq):
+            pairs = bm.swap_out(seq)
+            out.blocks_to_swap_out.extend(pairs)
+            out.swapped_out.append(seq)
+            seq.status = SequenceStatus.SWAPPED
+            self.swapped.append(seq)
+            self.num_swap_outs += 1
+            self.num_swapped_blocks += len(pairs)
+            return
+        # recompute: drop the KV, requeue; the tokens are prefilled again
+        bm.free(seq)
+        seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
-        self.num_preemptions += 1
+        self.num_recomputes += 1
         out.preempted.append(seq)
 
     def update(
@@ -201,6 +338,7 @@ class Scheduler:
     ) -> None:
         """Take a step's results back: the computed chunks are now cached, sampled tokens
         (`seq_id -> token`) are appended, and `finished` sequences release their blocks."""
+        now = self.clock() if self.qos is not None else 0.0
         for item in out.scheduled:
             seq = item.seq
             if seq.status != SequenceStatus.RUNNING:
@@ -209,24 +347,53 @@ class Scheduler:
             token = new_tokens.get(seq.seq_id)
             if token is not None:
                 seq.token_ids.append(token)
+            if self.qos is not None:
+                mark = seq.num_tokens if token is not None else seq.num_computed_tokens
+                self.qos.charge(seq, mark, now)
         for seq in finished:
             self.abort_sequence(seq)
 
     # ---- observability -----------------------------------------------------------------------
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict:
+        """Queue lengths, free blocks of both pools, preemption counters; with QoS on, per-group
+        queue lengths and served tokens under "qos" (see `QoS.stats`)."""
         bm = self.block_manager
         stats = {
             "num_waiting": len(self.waiting),
             "num_running": len(self.running),
+            "num_swapped": len(self.swapped),
             "num_free_blocks": bm.device.num_free,
             "num_total_blocks": bm.device.num_blocks,
+            "num_free_cpu_blocks": bm.host.num_free,
+            "num_total_cpu_blocks": bm.host.num_blocks,
             "num_preemptions": self.num_preemptions,
+            "num_recomputes": self.num_recomputes,
+            "num_swap_outs": self.num_swap_outs,
+            "num_swap_ins": self.num_swap_ins,
+            "num_swapped_blocks": self.num_swapped_blocks,
+            "num_arrival_preemptions": self.num_arrival_preemptions,
         }
+        if self.qos is not None:
+            states = {"waiting": self.waiting, "running": self.running, "swapped": self.swapped}
+            stats["qos"] = self.qos.stats(states, self.clock())
         if self.adapter_manager is not None:
             stats.update(self.adapter_manager.stats())
         return stats
 
     def check_integrity(self) -> None:
+        """Assert both block pools agree with the live sequences' block tables, and that every
+        sequence sits in the queue its status names."""
+        for status, queue in (
+            (SequenceStatus.WAITING, self.waiting),
+            (SequenceStatus.RUNNING, self.running),
+            (SequenceStatus.SWAPPED, self.swapped),
+        ):
+            for seq in queue:
+                assert seq.status == status, f"seq {seq.seq_id} is {seq.status} in {status}"
+        for seq in self.swapped:
+            assert not seq.block_table, f"swapped seq {seq.seq_id} holds device blocks"
+        for seq in self.waiting:
+            assert not seq.host_block_table, f"waiting seq {seq.seq_id} holds host blocks"
         self.block_manager.check_integrity(self.live_sequences())
         if self.adapter_manager is not None:
             self.adapter_manager.check_integrity(self.live_sequences())

@@ -11,7 +11,7 @@ from typing import Any
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"  # admitted by nobody yet, or preempted by recompute
     RUNNING = "running"  # holds device blocks
-    SWAPPED = "swapped"  # blocks on the host pool
+    SWAPPED = "swapped"  # preempted by swap: its KV blocks are on the host pool
     FINISHED = "finished"
 
 
@@ -32,8 +32,11 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
     block_table: list[int] = field(default_factory=list)  # device block ids, in order
+    host_block_table: list[int] = field(default_factory=list)  # host block ids while SWAPPED
     num_preemptions: int = 0
     num_prompt_tokens: int = -1
+    num_charged_tokens: int = 0  # tokens already counted as served to its QoS tenant
+    tenant: Any = None  # the QoS tenant (qos.Tenant) when QoS is on
 
     def __post_init__(self) -> None:
         if self.num_prompt_tokens < 0:

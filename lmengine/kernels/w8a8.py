@@ -1,0 +1,188 @@
+"""W8A8 kernels: per-token int8 quantization, RMSNorm fused with it, and an int8 GEMM whose
+epilogue dequantizes.
+
+Numerics (all paths):
+- per-token quantization: `scale = max(|x_row|, 1e-8) / 127` (float32), `q = rint(x * (127 /
+  max))` clamped to [-127, 127], rounding half to even. Symmetric: no zero point, -128 unused.
+- int8 GEMM: int8 x int8 products accumulated exactly in int32; then `out = acc * a_scale[m] *
+  w_scale[n] (+ bias)` in float32, cast to the output dtype.
+
+Each op has a PyTorch reference (`*_ref`), a CPU path (vectorised torch; the GEMM is
+`torch._int_mm`, which uses VNNI int8 dot products on this CPU) and a Triton kernel on CUDA
+(`lmengine.kernels.triton.w8a8`). The public functions dispatch on the device of their inputs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+QMAX = 127
+_MIN_AMAX = 1e-8  # an all-zero row quantizes to zeros with a tiny, finite scale
+
+
+def _check_rows(x: torch.Tensor, op: str) -> None:
+    if x.dim() != 2:
+        raise ValueError(f"{op}: x must be [num_tokens, hidden], got shape {tuple(x.shape)}")
+    if not x.is_floating_point():
+        raise ValueError(f"{op}: x must be a float tensor, got {x.dtype}")
+
+
+# ---- per-token quantization --------------------------------------------------------------------
+
+
+def per_token_quant_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: [num_tokens, hidden] float -> (q [num_tokens, hidden] int8, scale [num_tokens, 1] f32)."""
+    xf = x.to(torch.float32)
+    amax = xf.abs().amax(dim=-1, keepdim=True).clamp(min=_MIN_AMAX)  # [num_tokens, 1]
+    q = torch.round(xf * (QMAX / amax)).clamp(-QMAX, QMAX).to(torch.int8)
+    return q, amax / QMAX
+
+
+def per_token_quant_cpu(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Bit-identical to the reference in fewer passes: no clamp (|x| * 127 / max|x| <= 127
+    rounds to at most 127) and the rounding in place. NOTE: `abs().amax()` is kept over
+    `vector_norm(inf)`, which was 7x slower here (64 x 576, one thread)."""
+    if x.dtype != torch.float32:
+        return per_token_quant_ref(x)
+    amax = x.abs().amax(dim=-1, keepdim=True)  # [num_tokens, 1]
+    amax.clamp_(min=_MIN_AMAX)
+    q = torch.mul(x, QMAX / amax).round_().to(torch.int8)  # [num_tokens, hidden]
+    return q, amax / QMAX
+
+
+def per_token_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_rows(x, "per_token_quant")
+    if x.is_cuda:
+        from lmengine.kernels.triton.w8a8 import per_token_quant_triton
+
+        return per_token_quant_triton(x)
+    return per_token_quant_cpu(x)
+
+
+# ---- RMSNorm + quantization ---------------------------------------------------------------------
+
+
+def rms_norm_quant_ref(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """RMSNorm of `x` (of `residual + x` when given), then per-token quantization.
+
+    Returns (q [num_tokens, hidden] int8, scale [num_tokens, 1] f32, residual + x or None).
+    The norm follows `rms_norm_ref` (transformers' LlamaRMSNorm) exactly.
+    """
+    from lmengine.kernels.rms_norm import rms_norm_ref
+
+    summed = None if residual is None else residual + x
+    normed = rms_norm_ref(x if summed is None else summed, weight, eps)  # [num_tokens, hidden]
+    q, scale = per_token_quant_ref(normed)
+    return q, scale, summed
+
+
+def rms_norm_quant(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Fused RMSNorm (optionally after the residual add) + per-token int8 quantization."""
+    _check_rows(x, "rms_norm_quant")
+    if x.shape[-1] != weight.shape[0]:
+        raise ValueError(
+            f"rms_norm_quant: hidden size {x.shape[-1]} != weight size {weight.shape[0]}"
+        )
+    if x.is_cuda:
+        from lmengine.kernels.triton.w8a8 import rms_norm_quant_triton
+
+        return rms_norm_quant_triton(x, weight, eps, residual)
+    summed = None if residual is None else residual + x
+    src = x if summed is None else summed
+    if src.dtype == torch.float32 and weight.dtype == torch.float32:
+        # torch's fused RMSNorm is bit-identical to the reference in float32 (rms_norm.py)
+        normed = torch.rms_norm(src, (src.shape[-1],), weight, eps)
+    else:
+        from lmengine.kernels.rms_norm import rms_norm_ref
+
+        normed = rms_norm_ref(src, weight, eps)
+    q, scale = per_token_quant_cpu(normed)
+    return q, scale, summed
+
+
+# ---- int8 GEMM ----------------------------------------------------------------------------------
+
+
+def _check_gemm(
+    a_q: torch.Tensor, a_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, op: str
+) -> None:
+    if a_q.dtype != torch.int8 or w_q.dtype != torch.int8:
+        raise ValueError(f"{op}: a_q and w_q must be int8, got {a_q.dtype} and {w_q.dtype}")
+    if a_q.dim() != 2 or w_q.dim() != 2 or a_q.shape[1] != w_q.shape[1]:
+        raise ValueError(
+            f"{op}: a_q must be [M, K] and w_q [N, K], got {tuple(a_q.shape)} and "
+            f"{tuple(w_q.shape)}"
+        )
+    if a_scale.shape != (a_q.shape[0], 1) or w_scale.shape != (w_q.shape[0],):
+        raise ValueError(
+            f"{op}: a_scale must be [{a_q.shape[0]}, 1] and w_scale [{w_q.shape[0]}], got "
+            f"{tuple(a_scale.shape)} and {tuple(w_scale.shape)}"
+        )
+
+
+def int8_mm_ref(a_q: torch.Tensor, w_q: torch.Tensor) -> torch.Tensor:
+    """Exact accumulator: a_q [M, K] int8 @ w_q[N, K].T -> [M, N] int32 (computed in int64)."""
+    acc = a_q.to(torch.int64) @ w_q.to(torch.int64).t()  # [M, N]
+    return acc.to(torch.int32)  # |acc| <= K * 127^2 fits int32 for K < 133,000
+
+
+def dequant_ref(
+    acc: torch.Tensor,
+    a_scale: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """The epilogue: acc [M, N] int32 -> acc * a_scale [M, 1] * w_scale [N] (+ bias)."""
+    out = acc.to(torch.float32) * a_scale * w_scale  # [M, N]
+    if bias is not None:
+        out = out + bias.to(torch.float32)
+    return out.to(out_dtype)
+
+
+def int8_gemm_ref(
+    a_q: torch.Tensor,
+    a_scale: torch.Tensor,
+    w_q: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """a_q [M, K] int8, a_scale [M, 1] f32, w_q [N, K] int8, w_scale [N] f32 -> [M, N]."""
+    _check_gemm(a_q, a_scale, w_q, w_scale, "int8_gemm_ref")
+    return dequant_ref(int8_mm_ref(a_q, w_q), a_scale, w_scale, bias, out_dtype)
+
+
+def int8_mm_cpu(a_q: torch.Tensor, w_q: torch.Tensor) -> torch.Tensor:
+    """[M, K] int8 @ [N, K].T int8 -> [M, N] int32 with `torch._int_mm` (exact)."""
+    # NOTE: w_q.t() is a view with K contiguous, the layout _int_mm is fastest with (a
+    # row-major [K, N] copy of the weight made the one-row GEMM ~7x slower here).
+    return torch._int_mm(a_q.contiguous(), w_q.t())
+
+
+def int8_gemm(
+    a_q: torch.Tensor,
+    a_scale: torch.Tensor,
+    w_q: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """int8 GEMM with int32 accumulation and a dequantizing epilogue; see `int8_gemm_ref`."""
+    _check_gemm(a_q, a_scale, w_q, w_scale, "int8_gemm")
+    if a_q.is_cuda:
+        from lmengine.kernels.triton.w8a8 import int8_gemm_triton
+
+        return int8_gemm_triton(a_q, a_scale, w_q, w_scale, bias, out_dtype)
+    if a_q.shape[0] == 0:
+        return torch.empty(0, w_q.shape[0], dtype=out_dtype)
+    acc = int8_mm_cpu(a_q, w_q)  # [M, N] int32
+    out = torch.mul(acc, a_scale)  # int32 * f32 -> f32 [M, N]
+    out.mul_(w_scale)
+    if bias is not None:
+        out.add_(bias)
+    return out if out_dtype == torch.float32 else out.to(out_dtype)

@@ -1,0 +1,129 @@
+"""W8A8 modules: an RMSNorm that emits int8 activations with per-token scales, and a linear
+that runs an int8 GEMM on them (or quantizes a float input per token itself).
+
+They replace, after patching, the patched RMSNorms and `PackedLinear` / `MergedLinear` modules
+of the decoder layers (`W8A8_MODULE_MAP`); the model's forward code is unchanged: a norm's
+output goes to the linear(s) it feeds and nowhere else, and `QuantizedActivation.shape` answers
+the one question the attention forward asks of its input (the number of tokens).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from lmengine.kernels.w8a8 import QMAX, int8_gemm, per_token_quant, rms_norm_quant
+from lmengine.models.llama import PatchedRMSNorm
+
+
+@dataclass
+class QuantizedActivation:
+    """int8 activations with their per-token scales, as one RMSNorm output."""
+
+    data: torch.Tensor  # [num_tokens, hidden] int8
+    scale: torch.Tensor  # [num_tokens, 1] float32
+    dtype: torch.dtype  # the float dtype the consumer's output should have
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+
+class W8A8RMSNorm(PatchedRMSNorm):
+    """RMSNorm (optionally after the residual add) fused with per-token int8 quantization.
+
+    Its weight already carries the SmoothQuant scales (divided in). Only norms whose output
+    feeds W8A8Linears are swapped to this class; the final norm stays float.
+    """
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> QuantizedActivation | tuple[QuantizedActivation, torch.Tensor]:
+        q, scale, summed = rms_norm_quant(x, self.weight, self.variance_epsilon, residual)
+        out = QuantizedActivation(q, scale, x.dtype)
+        return out if residual is None else (out, summed)
+
+
+def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-output-channel symmetric int8: weight [out, in] -> (int8 [out, in], scale f32 [out])."""
+    wf = weight.detach().to(torch.float32)
+    amax = wf.abs().amax(dim=1).clamp(min=1e-8)  # [out]
+    q = torch.round(wf * (QMAX / amax)[:, None]).clamp(-QMAX, QMAX).to(torch.int8)
+    return q, amax / QMAX
+
+
+class W8A8Linear(nn.Module):
+    """y = x @ W.T + b with W int8 per output channel and x int8 per token (dynamic).
+
+    Takes a `QuantizedActivation` from a W8A8RMSNorm, or a float tensor that it quantizes
+    itself. Keeps `source_names` / `output_sizes` / `split` of the MergedLinear it replaces.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        has_bias: bool,
+        source_names: list[str] | None = None,
+        output_sizes: list[int] | None = None,
+        device: torch.device | str | None = None,
+        bias_dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.source_names = source_names
+        self.output_sizes = output_sizes or [out_features]
+        self.register_buffer(
+            "weight", torch.zeros(out_features, in_features, dtype=torch.int8, device=device)
+        )  # [out, in] int8
+        self.register_buffer("weight_scale", torch.ones(out_features, device=device))  # [out]
+        bias = torch.zeros(out_features, dtype=bias_dtype, device=device) if has_bias else None
+        self.register_buffer("bias", bias)  # [out] or None
+
+    @classmethod
+    def from_float(cls, linear: nn.Linear, quantize: bool = True) -> W8A8Linear:
+        """Quantize a (Packed/Merged) float linear; its weight may already be smoothed.
+        quantize=False: same shapes, placeholder values (a checkpoint is loaded next)."""
+        w = linear.weight
+        module = cls(
+            linear.in_features,
+            linear.out_features,
+            linear.bias is not None,
+            getattr(linear, "source_names", None),
+            getattr(linear, "output_sizes", None),
+            device=w.device,
+            bias_dtype=w.dtype,
+        )
+        if not quantize:
+            return module
+        module.weight, module.weight_scale = quantize_weight(w)
+        if linear.bias is not None:
+            module.bias = linear.bias.detach().clone()
+        return module
+
+    def forward(self, x: QuantizedActivation | torch.Tensor) -> torch.Tensor:
+        if isinstance(x, QuantizedActivation):
+            q, scale, dtype = x.data, x.scale, x.dtype
+        else:
+            q, scale = per_token_quant(x)  # [num_tokens, in] int8, [num_tokens, 1]
+            dtype = x.dtype
+        return int8_gemm(q, scale, self.weight, self.weight_scale, self.bias, dtype)
+
+    def split(self, out: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """[num_tokens, sum_out] -> one tensor per source linear."""
+        return out.split(self.output_sizes, dim=-1)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8"
+
+
+# Class of a patched module -> its W8A8 replacement. Linears are rebuilt (`from_float`: the
+# parameters change type); norms are swapped in place (the weight stays, the forward changes).
+W8A8_MODULE_MAP: dict[str, str] = {
+    "lmengine.models.layers.PackedLinear": "lmengine.models.w8a8.W8A8Linear",
+    "lmengine.models.layers.MergedLinear": "lmengine.models.w8a8.W8A8Linear",
+    "lmengine.models.llama.PatchedRMSNorm": "lmengine.models.w8a8.W8A8RMSNorm",
+}

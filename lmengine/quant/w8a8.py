@@ -1,0 +1,405 @@
+"""W8A8 SmoothQuant: smoothing, conversion of a patched model, and the checkpoint format.
+
+Flow of `lmengine quantize w8a8` (`quantize_checkpoint`):
+1. load the float model, unpatched, and run it on calibration text while hooks record the
+   per-channel maxima of |input| of every linear of the decoder layers;
+2. patch it (q/k/v and gate/up become MergedLinears) and smooth each layer: per input channel j
+   of a linear group, `s_j = max|X_j|^alpha / max|W_j|^(1 - alpha)`; X is divided by s where it
+   is produced (the RMSNorm weight for q/k/v and gate/up; the v rows of qkv for o; the up rows of
+   gate_up for down), W's columns are multiplied by s. In float the model is unchanged; the
+   activation outliers move into the weights, where per-channel quantization absorbs them.
+   The v -> o and up -> down folds are optional (`fold_rows`): measured worse on SmolLM2;
+3. replace the linears of the decoder layers with W8A8Linears (int8 weights per output
+   channel), and the RMSNorms feeding them with W8A8RMSNorms (int8 activations per token);
+4. save the patched state dict as safetensors; `config.json` records the quantization.
+
+The LM head, the embeddings and the final norm stay in float.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from lmengine.models.patch import _import, qualname
+from lmengine.models.w8a8 import W8A8_MODULE_MAP, W8A8Linear
+
+logger = logging.getLogger("lmengine")
+
+QUANT_METHOD = "lmengine_w8a8"
+_EPS = 1e-5
+
+
+@dataclass(frozen=True)
+class W8A8Layout:
+    """Where the quantizable linears of one architecture are, and how smoothing folds.
+
+    Paths are relative to one decoder layer, names as the patched model has them.
+    """
+
+    layers: str  # path of the ModuleList of decoder layers
+    norm_groups: tuple[tuple[str, str], ...]  # (RMSNorm, the linear it feeds)
+    # (producer linear, its part, consumer linear): the consumer's input is linear in the
+    # producer part's output channels (attention mixes tokens, SwiGLU multiplies elementwise),
+    # so its smoothing scales fold into the producer's rows
+    row_groups: tuple[tuple[str, str, str], ...]
+
+
+_LLAMA_LAYOUT = W8A8Layout(
+    layers="model.layers",
+    norm_groups=(
+        ("input_layernorm", "self_attn.qkv_proj"),
+        ("post_attention_layernorm", "mlp.gate_up_proj"),
+    ),
+    row_groups=(
+        ("self_attn.qkv_proj", "v_proj", "self_attn.o_proj"),
+        ("mlp.gate_up_proj", "up_proj", "mlp.down_proj"),
+    ),
+)
+
+# HF causal-LM class name -> layout. An architecture gets w8a8 by adding its layout here (and
+# its RMSNorm/linear classes to W8A8_MODULE_MAP if they differ from Llama's).
+W8A8_LAYOUTS: dict[str, W8A8Layout] = {"LlamaForCausalLM": _LLAMA_LAYOUT}
+
+
+def get_layout(model: nn.Module) -> W8A8Layout:
+    """The layout of `model` (patched or not); ValueError listing the supported ones if none."""
+    for cls in type(model).__mro__:
+        if cls.__name__ in W8A8_LAYOUTS and cls.__module__.startswith("transformers."):
+            return W8A8_LAYOUTS[cls.__name__]
+    raise ValueError(
+        f"w8a8 quantization is not supported for architecture {type(model).__name__}; "
+        f"supported: {', '.join(sorted(W8A8_LAYOUTS))}"
+    )
+
+
+# ---- smoothing ----------------------------------------------------------------------------------
+
+
+def smooth_scales(act_max: torch.Tensor, weight: torch.Tensor, alpha: float) -> torch.Tensor:
+    """act_max [K], weight [N, K] -> s [K] = act_max^alpha / max_n |W[n, :]|^(1 - alpha)."""
+    w_max = weight.detach().abs().amax(dim=0).float().clamp(min=_EPS)  # [K]
+    a_max = act_max.float().to(weight.device).clamp(min=_EPS)
+    return (a_max.pow(alpha) / w_max.pow(1.0 - alpha)).clamp(min=_EPS)
+
+
+def _stat_key(layer_prefix: str, path: str, linear: nn.Module) -> str:
+    """The name, in the unpatched model, of the HF linear whose input `linear` takes."""
+    parent, _, _ = path.rpartition(".")
+    names = getattr(linear, "source_names", None)
+    if names:
+        path = f"{parent}.{names[0]}" if parent else names[0]
+    return f"{layer_prefix}.{path}"
+
+
+def _part_rows(linear: nn.Module, part: str) -> slice:
+    idx = linear.source_names.index(part)
+    start = sum(linear.output_sizes[:idx])
+    return slice(start, start + linear.output_sizes[idx])
+
+
+@torch.no_grad()
+def smooth_layer(
+    layer: nn.Module,
+    layer_prefix: str,
+    layout: W8A8Layout,
+    act_maxima: dict[str, torch.Tensor],
+    alpha: float,
+    head_dim: int,
+    fold_rows: bool = False,
+) -> None:
+    """Fold SmoothQuant scales into one patched, still-float decoder layer (in place): into
+    the norms always, into producer rows (v -> o, up -> down) only with `fold_rows`."""
+    for norm_name, linear_name in layout.norm_groups:
+        norm, linear = layer.get_submodule(norm_name), layer.get_submodule(linear_name)
+        act = act_maxima[_stat_key(layer_prefix, linear_name, linear)]  # [hidden]
+        s = smooth_scales(act, linear.weight, alpha)  # [hidden]
+        norm.weight.div_(s.to(norm.weight.dtype))
+        linear.weight.mul_(s.to(linear.weight.dtype)[None, :])
+    for producer_name, part, consumer_name in layout.row_groups if fold_rows else ():
+        producer = layer.get_submodule(producer_name)
+        consumer = layer.get_submodule(consumer_name)
+        rows = _part_rows(producer, part)
+        num_rows = rows.stop - rows.start
+        act = act_maxima[_stat_key(layer_prefix, consumer_name, consumer)]  # [consumer in]
+        in_features = consumer.in_features
+        # consumer column c reads producer row (c // (group * unit)) * unit + c % unit, where a
+        # unit is one head (GQA: `group` query heads share one KV head) or all rows (SwiGLU)
+        unit = num_rows if in_features == num_rows else head_dim
+        if num_rows % unit or in_features % num_rows:
+            logger.warning("w8a8: %s -> %s shapes do not fold; not smoothed", part, consumer_name)
+            continue
+        num_units, group = num_rows // unit, in_features // num_rows
+        act_g = act.float().view(num_units, group, unit).amax(dim=1)  # [num_units, unit]
+        w_g = consumer.weight.abs().amax(dim=0).float().view(num_units, group, unit).amax(dim=1)
+        s = (act_g.clamp(min=_EPS).pow(alpha) / w_g.clamp(min=_EPS).pow(1 - alpha)).clamp(min=_EPS)
+        producer.weight[rows].div_(s.reshape(-1, 1).to(producer.weight.dtype))
+        if producer.bias is not None:
+            producer.bias[rows].div_(s.reshape(-1).to(producer.bias.dtype))
+        s_cols = s[:, None, :].expand(num_units, group, unit).reshape(-1)  # [in_features]
+        consumer.weight.mul_(s_cols.to(consumer.weight.dtype)[None, :])
+    for module in layer.modules():  # NOTE: packed weight copies are stale after the folds
+        if hasattr(module, "repack"):
+            module.repack()
+
+
+# ---- conversion ---------------------------------------------------------------------------------
+
+
+def convert_layer(layer: nn.Module, layout: W8A8Layout, quantize: bool = True) -> None:
+    """Swap the linears of a patched decoder layer for W8A8Linears (quantizing their current
+    weights unless `quantize` is False) and the norms that feed them for W8A8RMSNorms, through
+    W8A8_MODULE_MAP."""
+    for path, module in list(layer.named_modules()):
+        target = W8A8_MODULE_MAP.get(qualname(type(module)))
+        if target is None or not issubclass(_import(target), W8A8Linear):
+            continue
+        parent_path, _, name = path.rpartition(".")
+        parent = layer.get_submodule(parent_path) if parent_path else layer
+        setattr(parent, name, _import(target).from_float(module, quantize))
+    for norm_name, _ in layout.norm_groups:
+        norm = layer.get_submodule(norm_name)
+        target = W8A8_MODULE_MAP.get(qualname(type(norm)))
+        if target is None:
+            raise ValueError(f"w8a8: no quantized replacement for {qualname(type(norm))}")
+        norm.__class__ = _import(target)
+
+
+@torch.no_grad()
+def quantize_model(
+    model: nn.Module,
+    act_maxima: dict[str, torch.Tensor] | None = None,
+    alpha: float | None = 0.5,
+    quantize_weights: bool = True,
+    fold_rows: bool = False,
+) -> nn.Module:
+    """Quantize a patched float model in place. With `act_maxima` (from calibration) and an
+    `alpha`, SmoothQuant first; without, plain W8A8 (per-channel weights, per-token inputs).
+    `quantize_weights=False` only builds the structure (to load a checkpoint into)."""
+    layout = get_layout(model)
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else None
+    config = config or model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    for i, layer in enumerate(model.get_submodule(layout.layers)):
+        if act_maxima is not None and alpha is not None:
+            prefix = f"{layout.layers}.{i}"
+            smooth_layer(layer, prefix, layout, act_maxima, alpha, head_dim, fold_rows)
+        convert_layer(layer, layout, quantize_weights)
+    return model
+
+
+def is_quantized(model: nn.Module) -> bool:
+    return any(isinstance(m, W8A8Linear) for m in model.modules())
+
+
+def linear_weight_bytes(model: nn.Module) -> int:
+    """Bytes of the weights (and scales, biases) of the decoder layers' linears."""
+    layout = get_layout(model)
+    total = 0
+    for module in model.get_submodule(layout.layers).modules():
+        if isinstance(module, (nn.Linear, W8A8Linear)):
+            for t in list(module.parameters(recurse=False)) + list(module.buffers(recurse=False)):
+                total += t.numel() * t.element_size()
+    return total
+
+
+# ---- checkpoint ---------------------------------------------------------------------------------
+
+
+def read_quant_config(path: str | Path) -> dict | None:
+    """The `quantization_config` of a lmengine w8a8 checkpoint folder, else None."""
+    config_file = Path(path) / "config.json"
+    if not config_file.is_file():
+        return None
+    qc = json.loads(config_file.read_text(encoding="utf-8")).get("quantization_config")
+    if isinstance(qc, dict) and qc.get("quant_method") == QUANT_METHOD:
+        return qc
+    return None
+
+
+def save_quantized(model: nn.Module, tokenizer, out_dir: str | Path, quant_config: dict) -> Path:
+    """Write the patched, quantized model as safetensors + config.json (+ tokenizer)."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    if getattr(model.config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)  # NOTE: tied to the embeddings; re-tied on load
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    model.config.quantization_config = dict(quant_config, quant_method=QUANT_METHOD)
+    try:
+        model.config.save_pretrained(out)
+    finally:
+        del model.config.quantization_config
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(out)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
+    return out
+
+
+def build_skeleton(path: str | Path, dtype: torch.dtype, trust_remote_code: bool = False):
+    """The HF model of a w8a8 checkpoint with placeholder weights; `load_quantized` fills it
+    after patching. It carries the checkpoint folder in `lmengine_w8a8_checkpoint`."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # NOTE: transformers knows no such quantizer
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:  # older transformers: pay for a random init
+        from contextlib import nullcontext as no_init_weights
+    with no_init_weights():  # NOTE: every tensor is overwritten by load_quantized
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=dtype, trust_remote_code=trust_remote_code
+        )
+    get_layout(model)  # a clear error before anything else
+    model.lmengine_w8a8_checkpoint = str(path)
+    return model
+
+
+@torch.no_grad()
+def load_quantized(model: nn.Module, path: str | Path) -> nn.Module:
+    """Convert a patched skeleton to w8a8 and load the checkpoint's tensors into it."""
+    from safetensors.torch import load_file
+
+    from lmengine.models.layers import PackedLinear
+
+    quantize_model(model, None, None, quantize_weights=False)  # values come from the file
+    device = next(model.parameters()).device
+    state = load_file(str(Path(path) / "model.safetensors"), device=str(device))
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not (tied and k == "lm_head.weight")]
+    if missing or unexpected:
+        raise ValueError(
+            f"{path}: w8a8 checkpoint does not match the model: missing {missing[:5]}, "
+            f"unexpected {unexpected[:5]}"
+        )
+    if tied:
+        model.lm_head.weight = model.get_input_embeddings().weight
+    for module in model.modules():
+        if isinstance(module, PackedLinear):
+            module.repack()
+    return model
+
+
+def check_engine_support(engine_config) -> None:
+    """w8a8 with tensor parallelism or LoRA adapters is not implemented: say so at build."""
+    if engine_config.tp > 1:
+        raise ValueError("quant_policy='w8a8' does not support tp > 1 yet; use tp=1")
+    if engine_config.adapters:
+        raise ValueError("quant_policy='w8a8' does not support LoRA adapters yet")
+
+
+def apply_quant_policy(model: nn.Module, engine_config) -> nn.Module:
+    """Called by the ModelAgent right after patching.
+
+    - a w8a8 checkpoint (from `lmengine quantize w8a8`) loads its int8 weights, whatever
+      `quant_policy` says;
+    - a float checkpoint with `quant_policy="w8a8"` is quantized now, without calibration and
+      hence without smoothing (lower quality: use `lmengine quantize w8a8` for SmoothQuant).
+    """
+    path = getattr(model, "lmengine_w8a8_checkpoint", None)
+    if path is None and engine_config.quant_policy != "w8a8":
+        return model
+    check_engine_support(engine_config)
+    if path is not None:
+        return load_quantized(model, path)
+    if is_quantized(model):
+        return model
+    logger.warning(
+        "quant_policy='w8a8' on a float checkpoint: quantizing on load without calibration or "
+        "smoothing; `lmengine quantize w8a8` makes a SmoothQuant checkpoint of better quality"
+    )
+    return quantize_model(model, None, None)
+
+
+def calibrate(
+    model: nn.Module,
+    tokenizer,
+    calib_samples: int = 64,
+    calib_seqlen: int = 256,
+    calib_text: str | None = None,
+    show_progress: bool = True,
+) -> dict[str, torch.Tensor]:
+    """Per-channel maxima of |input| of the decoder layers' linears of an unpatched float
+    model, over `calib_samples` x `calib_seqlen` tokens of `calib_text` (default: stdlib docs)."""
+    from lmengine.quant.calibration import calibration_batches, collect_input_maxima
+
+    layout = get_layout(model)  # fail before the slow part
+    batches = calibration_batches(tokenizer, calib_samples, calib_seqlen, calib_text)
+    bar = None
+    if show_progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=calib_samples, desc="calibrating", unit="sample")
+    try:
+        return collect_input_maxima(
+            model, batches, layout.layers, progress=bar.update if bar else None
+        )
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def quantize_checkpoint(
+    model_path: str | None,
+    out_dir: str | Path,
+    calib_samples: int = 64,
+    calib_seqlen: int = 256,
+    alpha: float | None = 0.5,
+    calib_file: str | None = None,
+    show_progress: bool = True,
+    act_maxima: dict[str, torch.Tensor] | None = None,
+    fold_rows: bool = False,
+) -> Path:
+    """Calibrate, smooth, quantize and save; returns the output folder.
+
+    alpha=None: no smoothing and no calibration (plain W8A8, for comparison). `act_maxima`
+    from an earlier `calibrate` of the same model skips the calibration run. `fold_rows` also
+    smooths o_proj and down_proj inputs into the v and up rows (off by default: on SmolLM2 it
+    raised perplexity, see README).
+    """
+    from lmengine.engine.loader import load_model_and_tokenizer
+    from lmengine.models import patch
+
+    if alpha is not None and not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"alpha must be in [0, 1], got {alpha}")
+    model, tokenizer, path, _ = load_model_and_tokenizer(model_path, "float32", "cpu")
+    if read_quant_config(path) is not None:
+        raise ValueError(f"{path} is already a w8a8 checkpoint")
+    get_layout(model)  # fail before the slow part
+    t0 = time.perf_counter()
+    if alpha is not None and act_maxima is None:
+        text = Path(calib_file).read_text(encoding="utf-8") if calib_file else None
+        act_maxima = calibrate(
+            model, tokenizer, calib_samples, calib_seqlen, text, show_progress=show_progress
+        )
+    calib_s = time.perf_counter() - t0
+    patch(model)
+    quantize_model(model, act_maxima, alpha, fold_rows=fold_rows)
+    smoothed = alpha is not None
+    folds = ["input_layernorm -> q/k/v", "post_attention_layernorm -> gate/up"]
+    folds += ["v -> o", "up -> down"] if fold_rows else []
+    quant_config = {
+        "weights": "int8, symmetric, per output channel",
+        "activations": "int8, symmetric, per token, dynamic",
+        "smoothquant_alpha": alpha,
+        "smoothing": folds if smoothed else [],
+        "calib_samples": calib_samples if smoothed else 0,
+        "calib_seqlen": calib_seqlen if smoothed else 0,
+        "calib_source": (calib_file or "python stdlib docstrings") if smoothed else None,
+        "calib_seconds": round(calib_s, 1),
+        "source_model": str(path),
+        "not_quantized": ["embeddings", "lm_head", "final norm"],
+    }
+    return save_quantized(model, tokenizer, out_dir, quant_config)

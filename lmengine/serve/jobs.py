@@ -1,0 +1,255 @@
+"""The bridge between the engine thread and the server's event loop.
+
+Every HTTP request becomes a `Job`: one engine request per choice (n x prompts), each with its
+own engine session id. All jobs share one `ResponseRouter` as their response queue, so the
+engine wakes the event loop once per step (not once per request), and the router hands each
+Response to its job by session id. A job that is cancelled (client gone, timeout, shutdown)
+cancels its engine requests, which frees their KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from lmengine.config import GenerationConfig
+from lmengine.engine.request import AddRequest, CancelRequest, Response
+from lmengine.serve.metrics import ServerMetrics
+
+ENGINE_GONE = ("engine closed", "engine loop died")
+
+
+class APIError(Exception):
+    """An error answer with OpenAI's body: {"error": {message, type, param, code}}."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        code: str | None = None,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.code = status, message, type_, code
+        self.param, self.headers = param, headers
+
+    def body(self) -> dict:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code if self.code is not None else self.status,
+            }
+        }
+
+
+def engine_error(message: str) -> APIError:
+    """The HTTP error for a request the engine refused before generating anything."""
+    if message.startswith(ENGINE_GONE):
+        return APIError(503, message, "service_unavailable", "engine_unavailable")
+    return APIError(400, message)
+
+
+class ResponseRouter:
+    """The response queue of every engine request the server makes (it only needs `put`).
+
+    The engine puts one Response or one list of Responses per step from its thread; the
+    router moves them to the event loop in one hand-off and dispatches them by session id.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.loop_thread = threading.get_ident()  # NOTE: built on the event loop's thread
+        self.jobs: dict[int, Job] = {}  # engine session id -> job
+
+    def put(self, item: Response | list[Response]) -> None:
+        if threading.get_ident() == self.loop_thread:  # a refusal inside submit()
+            self._dispatch(item)
+        else:
+            self.loop.call_soon_threadsafe(self._dispatch, item)
+
+    def _dispatch(self, item: Response | list[Response]) -> None:
+        for resp in item if isinstance(item, list) else (item,):
+            job = self.jobs.get(resp.session_id)
+            if job is not None:
+                job.on_response(resp)
+
+
+@dataclass
+class Choice:
+    """One engine request of a job."""
+
+    session_id: int
+    input_ids: list[int]
+    gen_config: GenerationConfig
+    first: Response | None = None  # its first response
+    final: Response | None = None  # its last response
+    first_time: float | None = None
+    is_done: bool = False
+
+
+class Job:
+    """The engine requests of one HTTP request, and the stream of their responses."""
+
+    def __init__(
+        self,
+        engine,
+        router: ResponseRouter,
+        metrics: ServerMetrics,
+        endpoint: str,
+        timeout: float | None,
+    ) -> None:
+        self.engine, self.router, self.metrics, self.endpoint = engine, router, metrics, endpoint
+        self.choices: list[Choice] = []
+        self.by_session: dict[int, int] = {}  # engine session id -> choice index
+        self.queue: asyncio.Queue = asyncio.Queue()  # (choice index, Response) or None (woken)
+        self.start = time.perf_counter()
+        self.deadline = self.start + timeout if timeout else None
+        self.num_started = 0
+        self.num_done = 0
+        self.started = asyncio.Event()  # a choice has its first response
+        self.cancel_reason: str | None = None
+
+    # ---- submission ---------------------------------------------------------------------------
+    def submit(
+        self,
+        prompts: list[list[int]],
+        configs: list[GenerationConfig],
+        adapter_name: str | None,
+        priority: int | None,
+        user_id: str | None,
+    ) -> None:
+        for ids, cfg in zip(prompts, configs):
+            session_id = self.engine.new_session_id()
+            self.by_session[session_id] = len(self.choices)
+            self.choices.append(Choice(session_id, ids, cfg))
+            self.router.jobs[session_id] = self
+        self.metrics.num_in_flight += len(self.choices)
+        self.metrics.num_queued += len(self.choices)
+        for i, choice in enumerate(self.choices):
+            req = AddRequest(
+                session_id=choice.session_id,
+                input_ids=choice.input_ids,
+                gen_config=choice.gen_config,
+                response_queue=self.router,
+                adapter_name=adapter_name,
+                priority=priority,
+                user_id=user_id,
+                index=i,
+            )
+            self.engine.request_manager.submit(req)
+            if self.cancel_reason is not None:
+                break  # refused before the others were sent: they are cancelled already
+
+    # ---- the event loop: responses ------------------------------------------------------------
+    def on_response(self, resp: Response) -> None:
+        index = self.by_session.get(resp.session_id)
+        if index is None:
+            return
+        choice = self.choices[index]
+        if choice.is_done:
+            return
+        now = time.perf_counter()
+        if choice.first is None:
+            choice.first, choice.first_time = resp, now
+            self.metrics.num_queued -= 1
+            if resp.generate_token_len > 0:
+                self.metrics.ttft.observe(now - self.start)
+            self.num_started += 1
+            self.started.set()
+            if resp.finish_reason == "error" and resp.generate_token_len == 0:
+                # refused: the whole request fails, its other choices are cancelled
+                self.queue.put_nowait((index, resp))
+                self._finish(choice, resp, now)
+                self.cancel("refused")
+                return
+        if resp.finish_reason is not None:
+            self._finish(choice, resp, now)
+        self.queue.put_nowait((index, resp))
+
+    def _finish(self, choice: Choice, resp: Response, now: float) -> None:
+        choice.final, choice.is_done = resp, True
+        self.router.jobs.pop(choice.session_id, None)
+        self.num_done += 1
+        m = self.metrics
+        m.num_in_flight -= 1
+        m.count_request(self.endpoint, resp.finish_reason or "cancel")
+        m.prompt_tokens += resp.input_token_len
+        m.generation_tokens += resp.generate_token_len
+        if resp.finish_reason in ("stop", "length"):
+            m.e2e.observe(now - self.start)
+            if resp.generate_token_len > 1 and choice.first_time is not None:
+                m.tpot.observe((now - choice.first_time) / (resp.generate_token_len - 1))
+
+    def cancel(self, reason: str) -> None:
+        """Stop every unfinished choice (frees its blocks in the engine) and wake waiters."""
+        if self.cancel_reason is None:
+            self.cancel_reason = reason
+        now = time.perf_counter()
+        for choice in self.choices:
+            if choice.is_done:
+                continue
+            self.engine.request_manager.submit(CancelRequest(choice.session_id))
+            if choice.first is None:
+                self.metrics.num_queued -= 1
+                choice.first = Response(finish_reason="cancel")
+            self._finish(choice, Response(finish_reason="cancel"), now)
+        self.started.set()
+        self.queue.put_nowait(None)
+
+    @property
+    def is_done(self) -> bool:
+        return self.num_done == len(self.choices)
+
+    def remaining(self) -> float | None:
+        if self.deadline is None:
+            return None
+        return max(0.0, self.deadline - time.perf_counter())
+
+    # ---- the event loop: waiting --------------------------------------------------------------
+    async def wait_started(self) -> None:
+        """Wait for the first response of the job (a token, or the engine's refusal: then
+        raise its HTTP error). NOTE: choices share prompt and config, so the engine refuses
+        all or none of them; a refusal of one cancels the others."""
+        try:
+            await asyncio.wait_for(self.started.wait(), self.remaining())
+        except TimeoutError:
+            self.cancel("timeout")
+            raise APIError(504, "request timed out", "timeout", "timeout") from None
+        for choice in self.choices:
+            first = choice.first
+            if first is not None and first.finish_reason == "error" and not first.token_ids:
+                raise engine_error(first.error or "request failed")
+        if self.cancel_reason is not None and self.cancel_reason != "refused":
+            raise APIError(499, f"request cancelled: {self.cancel_reason}", code="cancelled")
+
+    async def responses(self) -> AsyncIterator[tuple[int, Response]]:
+        """(choice index, Response) until every choice has finished; raises APIError(504)
+        when the request's timeout passes (after cancelling it)."""
+        while True:
+            if self.queue.empty() and self.is_done:
+                return
+            try:
+                item = await asyncio.wait_for(self.queue.get(), self.remaining())
+            except TimeoutError:
+                self.cancel("timeout")
+                raise APIError(504, "request timed out", "timeout", "timeout") from None
+            if item is None:
+                if self.cancel_reason == "timeout":
+                    raise APIError(504, "request timed out", "timeout", "timeout")
+                continue
+            yield item
+
+    async def watch_disconnect(self, request, interval: float = 0.25) -> None:
+        """Cancel the job when the HTTP client goes away (run as a task while waiting)."""
+        while not self.is_done:
+            if await request.is_disconnected():
+                self.cancel("client disconnected")
+                return
+            await asyncio.sleep(interval)

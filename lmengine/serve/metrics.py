@@ -1,0 +1,155 @@
+"""Server metrics in the Prometheus text format (no client library needed).
+
+Counters and histograms are updated by the server's event loop thread only; the engine's
+gauges (running / waiting / swapped requests, KV blocks, per-QoS-group counters) are read from
+`engine.stats()` at scrape time. Keys missing from the stats are reported as 0.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+# engine.stats() key -> (metric name, help); exported as gauges, 0 when the key is missing
+ENGINE_GAUGES = {
+    "num_running": ("lmengine_num_requests_running", "sequences in the running batch"),
+    "num_waiting": ("lmengine_num_requests_waiting", "sequences waiting to be scheduled"),
+    "num_swapped": ("lmengine_num_requests_swapped", "sequences swapped out to host memory"),
+    "num_free_blocks": ("lmengine_kv_blocks_free", "free device KV blocks"),
+    "num_total_blocks": ("lmengine_kv_blocks_total", "device KV blocks"),
+    "num_preemptions": ("lmengine_num_preemptions_total", "preemptions since start"),
+}
+
+
+def _name(text: str) -> str:
+    return "".join(c if c.isalnum() or c == "_" else "_" for c in str(text))
+
+
+def _label(value: str) -> str:
+    return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+class Histogram:
+    """Cumulative buckets, a sum and a count."""
+
+    def __init__(self, name: str, help_text: str, buckets=LATENCY_BUCKETS) -> None:
+        self.name, self.help, self.buckets = name, help_text, tuple(buckets)
+        self.counts = [0] * (len(self.buckets) + 1)  # the last one is +Inf
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, value: float) -> None:
+        if not math.isfinite(value):
+            return
+        self.counts[bisect.bisect_left(self.buckets, value)] += 1
+        self.sum += value
+        self.count += 1
+
+    def render(self) -> list[str]:
+        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
+        total = 0
+        for le, n in zip([*self.buckets, "+Inf"], self.counts):
+            total += n
+            lines.append(f'{self.name}_bucket{{le="{le}"}} {total}')
+        lines += [f"{self.name}_sum {self.sum}", f"{self.name}_count {self.count}"]
+        return lines
+
+
+class ServerMetrics:
+    """What the HTTP layer counts: requests by endpoint and outcome, tokens in and out,
+    latency histograms, and the requests it holds (in flight, queued)."""
+
+    def __init__(self) -> None:
+        self.requests: dict[tuple[str, str], int] = {}  # (endpoint, finish reason) -> count
+        self.http_errors: dict[int, int] = {}  # status -> count
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.num_in_flight = 0  # choices submitted to the engine and not finished
+        self.num_queued = 0  # of those, the ones without a first token yet
+        self.ttft = Histogram("lmengine_time_to_first_token_seconds", "time to first token")
+        self.tpot = Histogram(
+            "lmengine_time_per_output_token_seconds", "mean time per output token after the first"
+        )
+        self.e2e = Histogram("lmengine_e2e_request_latency_seconds", "end-to-end request latency")
+
+    def count_request(self, endpoint: str, finish_reason: str) -> None:
+        key = (endpoint, finish_reason)
+        self.requests[key] = self.requests.get(key, 0) + 1
+
+    def count_error(self, status: int) -> None:
+        self.http_errors[status] = self.http_errors.get(status, 0) + 1
+
+    def render(self, stats: dict) -> str:
+        lines: list[str] = []
+
+        def gauge(name: str, help_text: str, value, kind: str = "gauge") -> None:
+            lines.extend([f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {value}"])
+
+        for key, (name, help_text) in ENGINE_GAUGES.items():
+            kind = "counter" if name.endswith("_total") else "gauge"
+            gauge(name, help_text, stats.get(key, 0), kind)
+        used = stats.get("num_total_blocks", 0) - stats.get("num_free_blocks", 0)
+        gauge("lmengine_kv_blocks_used", "device KV blocks in use", used)
+        # any other numeric engine stat, and nested ones such as the QoS counters
+        nested: dict[str, list[str]] = {}
+        for key, value in sorted(stats.items()):
+            if key not in ENGINE_GAUGES:
+                _walk(f"lmengine_{_name(key)}", str(key), value, (), nested)
+        for name, samples in nested.items():
+            lines += [f"# HELP {name} engine stat", f"# TYPE {name} gauge", *samples]
+        gauge("lmengine_server_requests_in_flight", "choices being generated", self.num_in_flight)
+        gauge("lmengine_server_requests_queued", "choices without a first token", self.num_queued)
+        gauge("lmengine_prompt_tokens_total", "prompt tokens", self.prompt_tokens, "counter")
+        gauge(
+            "lmengine_generation_tokens_total",
+            "tokens generated",
+            self.generation_tokens,
+            "counter",
+        )
+        lines += [
+            "# HELP lmengine_requests_total finished choices by endpoint and finish reason",
+            "# TYPE lmengine_requests_total counter",
+        ]
+        for (endpoint, reason), n in sorted(self.requests.items()):
+            lines.append(
+                f'lmengine_requests_total{{endpoint="{_label(endpoint)}",'
+                f'finish_reason="{_label(reason)}"}} {n}'
+            )
+        lines += [
+            "# HELP lmengine_http_errors_total error answers by status",
+            "# TYPE lmengine_http_errors_total counter",
+        ]
+        for status, n in sorted(self.http_errors.items()):
+            lines.append(f'lmengine_http_errors_total{{status="{status}"}} {n}')
+        for hist in (self.ttft, self.tpot, self.e2e):
+            lines += hist.render()
+        return "\n".join(lines) + "\n"
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _walk(name: str, key: str, value, labels: tuple, out: dict[str, list[str]]) -> None:
+    """Flatten one engine stat into samples. A dict under a plural key whose values are all
+    flat dicts is a label dimension (`"groups": {"Gold": {"num_waiting": 1}}` ->
+    `..._groups_num_waiting{group="Gold"} 1`); any other dict extends the metric name;
+    numbers are samples; anything else is skipped."""
+    if _is_number(value):
+        text = ",".join(f'{k}="{_label(v)}"' for k, v in labels)
+        out.setdefault(name, []).append(f"{name}{{{text}}} {value}" if text else f"{name} {value}")
+    elif isinstance(value, dict) and value:
+        rows = all(isinstance(v, dict) for v in value.values())
+        if (
+            rows
+            and key.endswith("s")
+            and not any(isinstance(x, dict) for v in value.values() for x in v.values())
+        ):
+            label = _name(key[:-1])
+            for k, v in sorted(value.items(), key=lambda kv: str(kv[0])):
+                _walk(name, "", v, (*labels, (label, k)), out)
+        else:
+            for k, v in value.items():
+                _walk(f"{name}_{_name(k)}", str(k), v, labels, out)

@@ -1,0 +1,114 @@
+"""Request bodies of the HTTP API (pydantic), OpenAI's field names and ranges.
+
+Fields OpenAI defines keep its names, defaults and ranges; our extensions (`top_k`,
+`repetition_penalty`, `ignore_eos`, `min_tokens`, `priority`, `user_id`, ...) follow vLLM's
+names. Unknown fields are ignored, as OpenAI clients send many. Ranges are declared here so
+that the OpenAPI document states them and a bad value is a 400 before the engine sees it.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MAX_CHOICES = 64  # n (x prompts) per request
+MAX_STOP_WORDS = 16
+TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False  # a last chunk with `usage` and no choices
+
+
+class _SamplingFields(BaseModel):
+    """What completions and chat completions share."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None  # the served model or an adapter name; None: the base model
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)  # 0: greedy
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    stop: str | list[str] | None = Field(None)
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    user: str | None = Field(None, max_length=256)
+    # extensions
+    top_k: int = Field(0, ge=-1)  # 0 or -1: no top-k filter
+    repetition_penalty: float = Field(1.0, gt=0.0, le=100.0)
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)
+    stop_token_ids: list[TokenId] | None = Field(None, max_length=64)
+    skip_special_tokens: bool = True
+    priority: int | None = Field(None, ge=-(2**31), le=2**31 - 1)
+    user_id: str | None = Field(None, max_length=256)  # the QoS user; default: `user`
+
+
+class CompletionRequest(_SamplingFields):
+    """POST /v1/completions: raw prompts, no chat template."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False
+    best_of: int | None = Field(None, ge=1, le=MAX_CHOICES)  # only best_of == n is accepted
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text"] = "text"
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: str = Field(..., min_length=1, max_length=64)
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """POST /v1/chat/completions: messages through the chat template."""
+
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)  # newer name of max_tokens
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    add_generation_prompt: bool = True
+
+
+class CompletionRequestQos(CompletionRequest):
+    """POST /v1/completions_qos (LMDeploy): a completion on behalf of a QoS user."""
+
+
+class ChatCompletionRequestQos(ChatCompletionRequest):
+    """POST /v1/chat/completions_qos (LMDeploy): a chat completion for a QoS user."""
+
+
+class InteractiveRequestQos(BaseModel):
+    """POST /v1/chat/interactive_qos (LMDeploy): one turn of a chat session kept by the
+    server under `session_id`; `interactive_mode=False` ends the session after this turn."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    prompt: str | list[ChatMessage]  # this turn's user text, or messages to append
+    session_id: int = Field(-1, ge=-1, le=2**62)  # -1: a one-off turn without history
+    interactive_mode: bool = False
+    cancel: bool = False  # stop the session's running turn and end the session
+    stream: bool = False
+    request_output_len: int = Field(512, ge=1)
+    temperature: float = Field(0.8, ge=0.0, le=2.0)
+    top_p: float = Field(0.8, gt=0.0, le=1.0)
+    top_k: int = Field(40, ge=-1)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=100.0)
+    ignore_eos: bool = False
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    stop: str | list[str] | None = None
+    user_id: str | None = Field(None, max_length=256)
+    priority: int | None = Field(None, ge=-(2**31), le=2**31 - 1)

@@ -1,0 +1,140 @@
+"""`lmengine serve MODEL`: flags and the uvicorn process around `build_app`.
+
+Engine flags come from `EngineConfig` through the CLI's flag generator (one flag per field);
+the server adds its own (host, port, keys, limits, template). SIGTERM shuts down gracefully:
+uvicorn stops accepting, running requests get `--grace-period` seconds to finish, the rest
+are cancelled, the engine is closed and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+
+
+def add_serve_flags(parser: argparse.ArgumentParser) -> None:
+    from lmengine.cli import _add_model_flags
+
+    parser.add_argument(
+        "model_path", nargs="?", default=None, help="the model (same as --model)", metavar="MODEL"
+    )
+    _add_model_flags(parser)
+    g = parser.add_argument_group("server options")
+    g.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    g.add_argument("--port", type=int, default=23333, help="port (default: 23333)")
+    g.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the `model` id clients use (default: folder name)",
+    )
+    g.add_argument(
+        "--api-keys",
+        nargs="+",
+        default=None,
+        metavar="KEY",
+        help="accept only requests with `Authorization: Bearer KEY` (health endpoints excepted)",
+    )
+    g.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=0,
+        help="requests waiting for their first token beyond which new ones get 429 with "
+        "Retry-After (each choice of n counts; default: 0 = no limit)",
+    )
+    g.add_argument(
+        "--request-timeout",
+        type=float,
+        default=0.0,
+        help="seconds after which a request is cancelled and answered 504 (default: 0 = none)",
+    )
+    g.add_argument(
+        "--chat-template", default=None, metavar="FILE", help="a Jinja chat template file"
+    )
+    g.add_argument(
+        "--grace-period",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, seconds running requests get to finish before they are cancelled",
+    )
+    g.add_argument("--log-level", default="warning", help="uvicorn log level (default: warning)")
+
+
+def _model_name(path: str | None) -> str:
+    if path is None:
+        return "SmolLM2-135M-Instruct"
+    return os.path.basename(os.path.normpath(path)) or path
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    try:
+        import uvicorn
+    except ImportError:
+        print(
+            "lmengine serve needs the serve extra: pip install 'lmengine[serve]'", file=sys.stderr
+        )
+        return 2
+    from lmengine.cli import build_dataclass
+    from lmengine.config import EngineConfig
+    from lmengine.engine.engine import Engine
+    from lmengine.serve.app import ServerSettings, build_app
+
+    model = args.model_path or args.model
+    engine_config = build_dataclass(EngineConfig, args)
+    template = None
+    if args.chat_template:
+        with open(args.chat_template, encoding="utf-8") as f:
+            template = f.read()
+    if args.max_queued_requests < 0:
+        raise ValueError(f"--max-queued-requests must be >= 0, got {args.max_queued_requests}")
+    if args.request_timeout < 0:
+        raise ValueError(f"--request-timeout must be >= 0, got {args.request_timeout}")
+    settings = ServerSettings(
+        model_name=args.served_model_name or _model_name(model),
+        api_keys=list(args.api_keys or []),
+        max_queued_requests=args.max_queued_requests,
+        request_timeout=args.request_timeout,
+        chat_template=template,
+        qos_enabled=engine_config.qos_config_path is not None,
+    )
+    engine = Engine.from_pretrained(model, engine_config)
+    app = build_app(engine, settings)
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=args.grace_period,
+        access_log=False,
+    )
+    server = _Server(config)
+    app.state.server.is_shutting_down = lambda: server.should_exit
+    logging.getLogger("lmengine").info("serving %s on %s:%d", model, args.host, args.port)
+    print(
+        f"lmengine serve: http://{args.host}:{args.port} (model {settings.model_name})", flush=True
+    )
+    server.run()
+    engine.close()
+    return 0
+
+
+def _make_server_class():
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server, except that SIGTERM ends the process with 0 after the graceful
+        shutdown (uvicorn re-raises the signal, which would kill it with -15)."""
+
+        def handle_exit(self, sig: int, frame) -> None:
+            if sig == signal.SIGTERM:
+                self.should_exit = True
+                return
+            super().handle_exit(sig, frame)
+
+    return Server
+
+
+def _Server(config):  # noqa: N802 - a class factory: uvicorn is imported only when serving
+    return _make_server_class()(config)
