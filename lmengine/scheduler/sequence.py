@@ -27,6 +27,7 @@ class Sequence:
     priority: int | None = None
     user_id: str | None = None
     adapter_name: str | None = None
+    adapter_id: int | None = None  # the AdapterManager's id of adapter_name, fixed at arrival
     arrival_time: float = field(default_factory=time.monotonic)
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
