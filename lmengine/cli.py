@@ -114,7 +114,12 @@ def cmd_generate(args) -> int:
     with pipeline(args.model, engine_config, apply_chat_template=not args.no_chat_template) as pipe:
         load_s = time.perf_counter() - t0
         t1 = time.perf_counter()
-        outs = pipe(prompts, gen_config=gen_config, use_tqdm=not args.quiet)
+        outs = pipe(
+            prompts,
+            gen_config=gen_config,
+            adapter_name=args.adapter_name,
+            use_tqdm=not args.quiet,
+        )
         gen_s = time.perf_counter() - t1
     sink = open(args.jsonl, "w", encoding="utf-8") if args.jsonl else None
     for i, (prompt, out) in enumerate(zip(prompts, outs)):
@@ -254,6 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt-file", help="a file with one prompt per line")
     gen.add_argument("--jsonl", help="also write one JSON object per prompt to this file")
     gen.add_argument("--quiet", action="store_true", help="no progress bar, no answers printed")
+    gen.add_argument("--adapter-name", help="LoRA adapter (from --adapters) for every prompt")
     gen.add_argument(
         "--no-chat-template", action="store_true", help="send prompts raw, without the template"
     )

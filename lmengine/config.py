@@ -59,11 +59,14 @@ class EngineConfig:
     priority_aging_s: float = 0.0  # seconds of waiting worth one priority level; 0 = no aging
     qos_config_path: str | None = None  # LMDeploy-QoS JSON: user groups and quotas
     adapters: dict[str, str] | None = None  # adapter name -> peft folder
-    max_lora_slots: int = 8
+    max_lora_slots: int = 8  # LoRA pool size, in adapters of max_lora_rank on every linear
+    max_lora_rank: int = 0  # 0 = the largest rank among `adapters` (16 when there are none)
     quant_policy: str | None = None  # "w8a8": int8 weights+activations (float ckpt: no smoothing)
     enable_prefix_caching: bool = False
     num_threads: int = 0  # CPU: torch intra-op threads; 0 = all cores
     trust_remote_code: bool = False
+    # extra MODULE_MAP entries (HF qualified class name -> patched class), e.g. from user code
+    module_map: dict[str, str] | None = None
 
     def __post_init__(self) -> None:
         _check_choice("dtype", self.dtype, DTYPES)
@@ -86,8 +89,21 @@ class EngineConfig:
         _check_int("max_lora_slots", self.max_lora_slots, 1)
         _check_choice("quant_policy", self.quant_policy, QUANT_POLICIES)
         _check_int("num_threads", self.num_threads, 0)
-        if self.adapters is not None and not isinstance(self.adapters, dict):
+        if self.adapters is not None and not (
+            isinstance(self.adapters, dict)
+            and all(isinstance(k, str) and k for k in self.adapters)
+            and all(isinstance(v, str) for v in self.adapters.values())
+        ):
             raise ValueError(f"adapters must be a dict of name -> folder, got {self.adapters!r}")
+        if self.module_map is not None and not (
+            isinstance(self.module_map, dict)
+            and all(isinstance(k, str) and isinstance(v, str) for k, v in self.module_map.items())
+        ):
+            raise ValueError(
+                "module_map must be a dict of 'package.module.HFClass' -> "
+                f"'package.module.PatchedClass' strings, got {self.module_map!r}"
+            )
+        _check_int("max_lora_rank", self.max_lora_rank, 0)
 
 
 @dataclass

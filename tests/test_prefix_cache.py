@@ -207,3 +207,22 @@ def test_scheduler_fuzz_shared_prefixes_preemption_and_swap(eviction, policy):
         assert stats["num_arrival_preemptions"] > 0, stats
     assert stats["num_free_blocks"] == num_gpu and stats["num_free_cpu_blocks"] == num_cpu
     assert stats["num_evictable_blocks"] == stats["num_prefix_cached_blocks"] > 0
+
+
+def test_a_removed_adapter_blocks_are_never_matched_again():
+    bm = BlockManager(16, 0, BS, enable_prefix_caching=True)
+    running = make_seq(0, range(1, 4), adapter="sql")  # admitted before the removal
+    run_prefill(bm, running)
+    run_prefill(bm, make_seq(1, range(1, 13), adapter="sql"))
+    assert run_prefill(bm, make_seq(2, range(1, 13), adapter="sql")) == 8
+    bm.forget_adapter("sql")  # "sql" re-added later would have other weights
+    assert run_prefill(bm, make_seq(3, range(1, 13), adapter="sql")) == 0
+    assert run_prefill(bm, make_seq(4, range(1, 13), adapter="sql")) == 8  # the new chain
+    # a sequence admitted before the removal keeps its own chain: a full block it computes
+    # now is not offered to the new adapter's requests
+    running.token_ids += [4, 5]
+    running.num_computed_tokens = 5
+    bm.allocate(running, 5)
+    bm.commit(running)
+    fresh = make_seq(5, [1, 2, 3, 4, 9], adapter="sql")
+    assert bm.acquire_prefix(fresh) == 4 and fresh.block_table[0] != running.block_table[0]

@@ -11,6 +11,7 @@ import pytest
 from lmengine import Engine, EngineConfig, GenerationConfig
 from tests.engine_utils import run_threads
 from tests.hf_reference import hf_greedy
+from tests.test_lora import adapter_paths as adapter_paths  # noqa: F401 (a fixture)
 from tests.test_swap import final_responses, submit_at_once
 
 NEW = 12
@@ -112,6 +113,40 @@ def test_second_request_computes_only_what_is_not_cached(tiny_llama_path):
         reused = final["num_prefix_cached_tokens"] - after["num_prefix_cached_tokens"]
         assert reused == (len(second) + len(r.token_ids) - 1) // 4 * 4
         assert r3.token_ids == hf_greedy(tiny_llama_path, [third], 4)[0]
+        engine.check_integrity()
+    finally:
+        engine.close()
+
+
+def test_adapters_never_share_blocks_and_a_re_added_name_gets_fresh_kv(
+    tiny_llama_path,
+    adapter_paths,  # noqa: F811 (the fixture imported above)
+):
+    from lmengine.api import Pipeline
+    from tests.test_lora import peft_greedy
+
+    rng = random.Random(4)
+    system = [rng.randrange(3, 1000) for _ in range(20)]
+    prompts = [system + [rng.randrange(3, 1000) for _ in range(3)] for _ in range(6)]
+    names = ["qv4", None, "ko16", "qv4", None, "ko16"]
+    expected = peft_greedy(tiny_llama_path, adapter_paths, prompts, names, NEW)
+    gen = GenerationConfig(max_new_tokens=NEW, ignore_eos=True)
+    cfg = _config(True, adapters=adapter_paths)
+    engine = Engine.from_pretrained(tiny_llama_path, cfg)
+    try:
+        pipe = Pipeline(engine)
+        for _ in range(2):  # the second round runs on a warm cache
+            outs = pipe(prompts, gen_config=gen, adapter_name=names)
+            assert [o.token_ids for o in outs] == expected
+        assert engine.stats()["num_prefix_cached_tokens"] >= 6 * 20 // 4 * 4
+        # "qv4" removed and re-added with other weights: its cached KV must not be reused
+        engine.remove_adapter("qv4")
+        engine.add_adapter("qv4", adapter_paths["ko16"])
+        out = pipe(prompts[0], gen_config=gen, adapter_name="qv4")
+        assert (
+            out.token_ids
+            == peft_greedy(tiny_llama_path, adapter_paths, [prompts[0]], ["ko16"], NEW)[0]
+        )
         engine.check_integrity()
     finally:
         engine.close()

@@ -299,7 +299,12 @@ class CheckpointReader:
         if piece.key is None or (piece.missing_is_zero and piece.key not in self.weight_map):
             return torch.zeros(piece.stop - piece.start, *like.shape[1:], dtype=like.dtype)
         if piece.key not in self.weight_map:
-            raise KeyError(f"tensor {piece.key} is not in the checkpoint")
+            raise ValueError(
+                f"tp > 1 is not supported for this checkpoint: tensor {piece.key!r} is not in "
+                "it. Sharded loading reads tensors by the model's parameter names, and this "
+                "architecture's checkpoint names differ (transformers renames them when it "
+                "loads the whole model). Use tp=1."
+            )
         sl = self._handles[self.weight_map[piece.key]].get_slice(piece.key)
         if piece.dim is None:
             t = sl[:]

@@ -21,6 +21,7 @@ import torch
 from lmengine.config import EngineConfig, GenerationConfig
 from lmengine.engine.detokenize import IncrementalDetokenizer
 from lmengine.engine.loader import load_model_and_tokenizer
+from lmengine.engine.lora_pool import DEFAULT_MAX_LORA_RANK
 from lmengine.engine.model_agent import ModelAgent
 from lmengine.engine.request import (
     AddRequest,
@@ -35,7 +36,14 @@ from lmengine.engine.request import (
 )
 from lmengine.engine.sampling import SampleResult
 from lmengine.models.model_info import ModelInfo
-from lmengine.scheduler import BlockManager, Scheduler, SchedulerOutput, Sequence, get_policy
+from lmengine.scheduler import (
+    AdapterManager,
+    BlockManager,
+    Scheduler,
+    SchedulerOutput,
+    Sequence,
+    get_policy,
+)
 from lmengine.scheduler.qos import QoS, QoSError
 
 logger = logging.getLogger("lmengine")
@@ -158,6 +166,9 @@ class Engine:
                 num_blocks,
                 cfg.block_size,
             )
+        self._adapter_names: frozenset[str] = frozenset()  # read by _validate on any thread
+        if cfg.adapters:
+            self._enable_lora(cfg.adapters)
         self.request_manager = RequestManager(self._validate)
         self._states: dict[int, _RequestState] = {}  # session_id -> running request
         self._seq_ids = itertools.count()
@@ -243,6 +254,56 @@ class Engine:
         blocks of both pools, preemptions, and per-group QoS counters under "qos"."""
         return self.call(self.scheduler.stats)
 
+    # ---- LoRA adapters ------------------------------------------------------------------------
+    def add_adapter(self, name: str, path: str) -> None:
+        """Load the peft LoRA folder `path` as adapter `name`, between two steps. Raises
+        ValueError when the name is taken or the adapter does not fit the base model."""
+        self.call(lambda: self._add_adapters({name: path}), timeout=None)
+
+    def remove_adapter(self, name: str) -> None:
+        """Forget adapter `name`: new requests for it fail; running ones finish with it."""
+        self.call(lambda: self._remove_adapter(name))
+
+    @property
+    def adapter_names(self) -> list[str]:
+        return sorted(self._adapter_names)
+
+    def _enable_lora(self, adapters: dict[str, str]) -> None:
+        cfg = self.engine_config
+        if cfg.tp > 1 or cfg.quant_policy is not None:
+            raise ValueError(
+                "LoRA adapters are not supported together with "
+                + ("tp > 1" if cfg.tp > 1 else f"quant_policy={cfg.quant_policy!r}")
+            )
+        pool = self.model_agent.lora
+        weights = {name: pool.read(path) for name, path in adapters.items()}
+        # NOTE: sized for the configured adapters; for one added later, leave room for others
+        ranks = [w.max_rank for w in weights.values()]
+        rank = cfg.max_lora_rank or max(ranks if cfg.adapters else [*ranks, DEFAULT_MAX_LORA_RANK])
+        self.scheduler.adapter_manager = AdapterManager(pool.enable(cfg.max_lora_slots, rank))
+        self._register_adapters(weights)
+
+    def _add_adapters(self, adapters: dict[str, str]) -> None:
+        if self.scheduler.adapter_manager is None:
+            self._enable_lora(adapters)
+            return
+        pool = self.model_agent.lora
+        self._register_adapters({name: pool.read(path) for name, path in adapters.items()})
+
+    def _register_adapters(self, weights: dict) -> None:
+        manager = self.scheduler.adapter_manager
+        for name, w in weights.items():
+            self.model_agent.lora.store(manager.register(name, w.demand), w)
+        self._adapter_names = frozenset(manager.ids)
+
+    def _remove_adapter(self, name: str) -> None:
+        manager = self.scheduler.adapter_manager
+        if manager is None or name not in manager.ids:
+            raise ValueError(f"unknown adapter {name!r}")
+        manager.remove(name)
+        self.scheduler.block_manager.forget_adapter(name)  # prefix caching: stale KV
+        self._adapter_names = frozenset(manager.ids)
+
     # ---- validation (submitting thread; reads immutable state only) ---------------------------
     def _validate(self, req: AddRequest) -> None:
         if not isinstance(req.gen_config, GenerationConfig):
@@ -268,8 +329,9 @@ class Engine:
                 f"prompt of {len(ids)} tokens leaves no room to generate within "
                 f"session_len={self.session_len}"
             )
-        if req.adapter_name is not None:
-            raise RequestError(f"unknown adapter {req.adapter_name!r}: no adapters are loaded")
+        if req.adapter_name is not None and req.adapter_name not in self._adapter_names:
+            loaded = ", ".join(sorted(self._adapter_names)) or "none"
+            raise RequestError(f"unknown adapter {req.adapter_name!r} (loaded: {loaded})")
         if req.priority is not None and (
             isinstance(req.priority, bool) or not isinstance(req.priority, int)
         ):
@@ -321,6 +383,13 @@ class Engine:
             user_id=req.user_id,
             adapter_name=req.adapter_name,
         )
+        if req.adapter_name is not None:
+            manager = self.scheduler.adapter_manager
+            seq.adapter_id = manager.id_of(req.adapter_name) if manager else None
+            if seq.adapter_id is None:  # removed since the request was validated
+                message = f"unknown adapter {req.adapter_name!r}: it was removed"
+                self.request_manager.publish(req, error_response(req, message))
+                return
         detok = None
         if self.tokenizer is not None:
             detok = IncrementalDetokenizer(

@@ -12,6 +12,7 @@ import torch
 
 from lmengine.config import EngineConfig
 from lmengine.engine.cache_engine import CacheEngine, CacheSpec, derive_num_blocks
+from lmengine.engine.lora_pool import LoRAPool
 from lmengine.engine.sampling import Sampler, SampleResult
 from lmengine.kernels import AttentionMetadata, cpu_ext
 from lmengine.models import patch
@@ -31,7 +32,7 @@ class ModelAgent:
         engine_config: EngineConfig,
         device: torch.device,
     ) -> None:
-        self.model = apply_quant_policy(patch(model), engine_config)
+        self.model = apply_quant_policy(patch(model, engine_config.module_map), engine_config)
         if device.type == "cpu":
             cpu_ext.load()  # NOTE: build the compiled kernels now, not inside the first step
         self.info = info
@@ -47,6 +48,7 @@ class ModelAgent:
         self.cache_engine = CacheEngine(spec, num_gpu_blocks, engine_config.num_cpu_blocks, device)
         self.kv_token_bytes = spec.block_bytes // (spec.num_layers * spec.block_size)
         self.sampler = Sampler(info.eos_token_ids, device)
+        self.lora = LoRAPool(self.model, device)  # no tensors until an adapter is added
 
     @property
     def num_gpu_blocks(self) -> int:
@@ -88,6 +90,9 @@ class ModelAgent:
             kv_caches=self.cache_engine.kv_caches,
             logits_indices=logits_indices.to(dev),
         )
+        if out.adapter_plan is not None:
+            adapter_ids = [it.seq.adapter_id for it in items]
+            ctx.lora = self.lora.step(adapter_ids, q_lens_t, out.adapter_plan)
         return input_ids.to(dev), ctx
 
     @torch.inference_mode()
@@ -96,6 +101,8 @@ class ModelAgent:
         self.cache_engine.swap_in(out.blocks_to_swap_in)
         self.cache_engine.swap_out(out.blocks_to_swap_out)
         self.cache_engine.copy(out.blocks_to_copy)
+        if out.adapter_plan is not None:
+            self.lora.apply(out.adapter_plan)
         if out.is_empty:
             return {}
         input_ids, ctx = self.prepare(out)

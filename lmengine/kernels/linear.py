@@ -45,7 +45,8 @@ def linear(
     packed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x: [num_tokens, in] -> [num_tokens, out]; `packed` from `pack_weight(weight)`."""
-    if packed is not None and x.shape[0] <= _MAX_ROWS_FOR_SMALL_GEMM and weight.is_contiguous():
+    rows = x.shape[0]
+    if packed is not None and 1 <= rows <= _MAX_ROWS_FOR_SMALL_GEMM and weight.is_contiguous():
         # NOTE: a packed weight means CPU float32, which is what the compiled kernel takes
         module = cpu_ext.load()
         if module is not None:

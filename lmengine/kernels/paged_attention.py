@@ -5,6 +5,10 @@ One call serves prefill chunks and decode tokens together. Sequence b owns packe
 of its block table, which already hold this step's keys (fill_kv_cache runs first). Query i of
 sequence b sits at position `kv_lens[b] - q_lens[b] + i` and sees keys `0..position`.
 
+With `sliding_window=W` query at position p sees only keys `p-W+1..p` (transformers'
+`kv_idx > q_idx - W`); with `softcap=c` the scaled scores become `c * tanh(scores / c)` before
+masking (Gemma 2). Both are per call, so alternating layers share one AttentionMetadata.
+
 GQA is handled by grouping query heads per KV head, never by repeating the cache.
 """
 
@@ -24,28 +28,42 @@ class _GroupPlan:
 
     q_index: torch.Tensor  # [num_seqs, max_q] packed token per query row (padding repeats)
     kv_blocks: torch.Tensor  # [num_seqs * max_blocks] block ids, row-major (padding -> 0)
-    # [num_seqs, 1, max_q, max_blocks * block_size] bool, True = attend; None for fresh
-    # prompts, which the causal SDPA path serves without a mask
-    mask: torch.Tensor | None
+    last_visible: torch.Tensor  # [num_seqs, max_q] position of each query row (last key seen)
     is_identity: bool  # the group is every packed token, one per sequence, in order
     is_fresh: bool  # prefills with no cached history: plain causal attention applies
     out_rows: torch.Tensor  # [num_valid] rows of the flattened [num_seqs * max_q] result
     out_tokens: torch.Tensor  # [num_valid] packed token index each valid row goes to
-    tiled_masks: dict[tuple, torch.Tensor] = field(default_factory=dict)  # per (g, dtype)
+    num_keys: int  # max_blocks * block_size: key slots gathered per sequence
+    # additive masks per (group size, dtype, window); fresh prompts without window or cap
+    # need none: the causal SDPA path serves them
+    tiled_masks: dict[tuple, torch.Tensor] = field(default_factory=dict)
     # decode groups only, for the compiled kernel that reads the cache without a gather:
     decode_tables: torch.Tensor | None = None  # [num_seqs, max_blocks] int32
     decode_kv_lens: torch.Tensor | None = None  # [num_seqs] int32
 
-    def mask_for(self, group_size: int, dtype: torch.dtype) -> torch.Tensor:
+    def mask_for(
+        self, group_size: int, dtype: torch.dtype, sliding_window: int | None = None
+    ) -> torch.Tensor:
         """Additive mask (0 or -inf) for query rows ordered (head-in-group, query):
-        [num_seqs, 1, g * max_q, max_kv]. Built once per step, not once per layer: SDPA
-        would otherwise convert a boolean mask in every call."""
-        key = (group_size, dtype)
+        [num_seqs, 1, g * max_q, max_kv]. Built once per step and window, not once per layer:
+        SDPA would otherwise convert a boolean mask in every call."""
+        key = (group_size, dtype, sliding_window)
         if key not in self.tiled_masks:
-            additive = torch.zeros(self.mask.shape, dtype=dtype)
-            additive.masked_fill_(~self.mask, float("-inf"))
+            mask = self.visible(sliding_window)
+            additive = torch.zeros(mask.shape, dtype=dtype)
+            additive.masked_fill_(~mask, float("-inf"))
             self.tiled_masks[key] = additive.repeat(1, 1, group_size, 1)
         return self.tiled_masks[key]
+
+    def visible(self, sliding_window: int | None) -> torch.Tensor:
+        """[num_seqs, 1, max_q, max_kv] bool: key j is visible to a row at position p iff
+        j <= p (and j > p - sliding_window)."""
+        keys = torch.arange(self.num_keys)[None, None, :]
+        last = self.last_visible[:, :, None]
+        mask = keys <= last
+        if sliding_window is not None:
+            mask &= keys > last - sliding_window
+        return mask[:, None]
 
 
 @dataclass
@@ -137,12 +155,8 @@ def _plan_group(meta: AttentionMetadata, seqs: torch.Tensor) -> _GroupPlan:
     # the slots past kv_len are masked out.
     kv_blocks = meta.block_tables[seqs, :max_blocks].long()  # [n, max_blocks]
     is_fresh = max_q > 1 and bool((kv_lens == q_lens).all())
-    mask = None
-    if not is_fresh:
-        # key j is visible to query i iff j <= position(i); padded rows see every real key
-        last_visible = (kv_lens - q_lens)[:, None] + row_clamped  # [n, max_q]
-        keys = torch.arange(max_blocks * bs)
-        mask = (keys[None, None, :] <= last_visible[:, :, None])[:, None]  # [n, 1, max_q, keys]
+    # key j is visible to query i iff j <= position(i); padded rows repeat the last real row
+    last_visible = (kv_lens - q_lens)[:, None] + row_clamped  # [n, max_q]
     valid = (rows[None, :] < q_lens[:, None]).flatten()
     out_rows = valid.nonzero().flatten()
     out_tokens = q_index.flatten()[out_rows]
@@ -157,7 +171,8 @@ def _plan_group(meta: AttentionMetadata, seqs: torch.Tensor) -> _GroupPlan:
         decode_kv_lens=decode_kv_lens,
         q_index=q_index,
         kv_blocks=kv_blocks.flatten(),
-        mask=mask,
+        last_visible=last_visible,
+        num_keys=max_blocks * bs,
         out_rows=out_rows,
         out_tokens=out_tokens,
         is_identity=is_identity,
@@ -171,6 +186,8 @@ def paged_attention_ref(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Plain per-sequence reference.
 
@@ -189,11 +206,33 @@ def paged_attention_ref(
         v = v.repeat_interleave(num_heads // num_kv_heads, dim=1).transpose(0, 1).float()
         qb = q[start : start + q_len].transpose(0, 1).float()  # [num_heads, q_len, head_dim]
         scores = qb @ k.transpose(1, 2) * scale  # [num_heads, q_len, kv_len]
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
         pos = torch.arange(kv_len - q_len, kv_len)[:, None]
-        scores.masked_fill_(torch.arange(kv_len)[None, :] > pos, float("-inf"))
+        keys = torch.arange(kv_len)[None, :]
+        hidden = keys > pos
+        if sliding_window is not None:
+            hidden |= keys <= pos - sliding_window
+        scores.masked_fill_(hidden, float("-inf"))
         probs = scores.softmax(-1)
         out[start : start + q_len] = (probs @ v).transpose(0, 1).to(q.dtype)
     return out
+
+
+def _softcapped_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    softcap: float,
+) -> torch.Tensor:
+    """SDPA with `softcap * tanh(scores / softcap)` (SDPA itself cannot cap).
+    q: [n, kv_heads, rows, d]; k, v: [n, kv_heads, keys, d]; mask: additive, broadcastable
+    to [n, kv_heads, rows, keys]."""
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [n, kv_heads, rows, keys]
+    scores = torch.tanh(scores / softcap) * softcap + mask
+    return torch.matmul(scores.softmax(-1), v)
 
 
 def paged_attention_cpu(
@@ -202,6 +241,8 @@ def paged_attention_cpu(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Vectorised CPU path: one padded SDPA call per group (decodes, prefills)."""
     num_tokens, num_heads, head_dim = q.shape
@@ -214,7 +255,8 @@ def paged_attention_cpu(
         if kernel is not None and plan.decode_tables is not None:
             qd = q if plan.is_identity else q[plan.q_index[:, 0]]  # [n, heads, d]
             tables, kv_lens = plan.decode_tables, plan.decode_kv_lens
-            res = kernel(qd.contiguous(), k_cache, v_cache, tables, kv_lens, scale)
+            window, cap = sliding_window or 0, softcap or 0.0  # 0: none
+            res = kernel(qd.contiguous(), k_cache, v_cache, tables, kv_lens, scale, window, cap)
             if plan.is_identity:
                 return res
             if out is None:
@@ -225,7 +267,7 @@ def paged_attention_cpu(
         kg = k_cache.index_select(0, plan.kv_blocks).view(n, -1, num_kv_heads, head_dim)
         vg = v_cache.index_select(0, plan.kv_blocks).view(n, -1, num_kv_heads, head_dim)
         kg, vg = kg.transpose(1, 2), vg.transpose(1, 2)
-        if plan.is_fresh:
+        if plan.is_fresh and sliding_window is None and softcap is None:
             # NOTE: whole prompts, right-padded: top-left causal masking is exact for the real
             # rows, and SDPA then skips the masked half instead of reading a dense mask.
             qf = q[plan.q_index].transpose(1, 2)  # [n, heads, max_q, d]
@@ -238,9 +280,11 @@ def paged_attention_cpu(
             qg = q if plan.is_identity else q[plan.q_index]
             qg = qg.view(n, max_q, num_kv_heads, group_size, head_dim)
             qg = qg.permute(0, 2, 3, 1, 4).reshape(n, num_kv_heads, group_size * max_q, head_dim)
-            res = F.scaled_dot_product_attention(
-                qg, kg, vg, attn_mask=plan.mask_for(group_size, q.dtype), scale=scale
-            )
+            mask = plan.mask_for(group_size, q.dtype, sliding_window)
+            if softcap is None:
+                res = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=scale)
+            else:
+                res = _softcapped_attention(qg, kg, vg, mask, scale, softcap)
             # [n, kv_heads, g, max_q, d] -> [n * max_q, heads, d]
             res = res.view(n, num_kv_heads, group_size, max_q, head_dim).permute(0, 3, 1, 2, 4)
             res = res.reshape(n * max_q, num_heads, head_dim)
@@ -264,17 +308,25 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """q: [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, head_dim]."""
+    """q: [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, head_dim].
+
+    `sliding_window` (keys per query, >= 1) and `softcap` (> 0) are optional; None = off."""
     if q.shape[1] % k_cache.shape[2] != 0:
         raise ValueError(
             f"paged_attention: {q.shape[1]} query heads not a multiple of "
             f"{k_cache.shape[2]} KV heads"
         )
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"paged_attention: sliding_window must be >= 1, got {sliding_window}")
+    if softcap is not None and softcap <= 0:
+        raise ValueError(f"paged_attention: softcap must be > 0, got {softcap}")
     if q.is_cuda:
         from lmengine.kernels.triton.paged_attention import paged_attention_triton
 
-        return paged_attention_triton(q, k_cache, v_cache, meta, scale)
+        return paged_attention_triton(q, k_cache, v_cache, meta, scale, sliding_window, softcap)
     if not meta.groups:
         raise ValueError("paged_attention: metadata was built for another device than the CPU")
-    return paged_attention_cpu(q, k_cache, v_cache, meta, scale)
+    return paged_attention_cpu(q, k_cache, v_cache, meta, scale, sliding_window, softcap)

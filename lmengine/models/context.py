@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -24,6 +25,7 @@ class StepContext:
     logits_indices: torch.Tensor  # [num_samples] packed rows whose logits are needed
     cos: torch.Tensor | None = None  # [num_tokens, head_dim], set by the patched model
     sin: torch.Tensor | None = None
+    lora: Any = None  # lmengine.models.lora.LoRAStep when a scheduled sequence uses an adapter
 
 
 _CURRENT: StepContext | None = None

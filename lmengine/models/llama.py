@@ -17,7 +17,8 @@ from transformers.models.llama.modeling_llama import (
     LlamaRMSNorm,
 )
 
-from lmengine.kernels import add_rms_norm, apply_rotary, fill_kv_cache, paged_attention, rms_norm
+from lmengine.kernels import add_rms_norm, rms_norm
+from lmengine.models.attention import PagedAttentionMixin, set_rotary
 from lmengine.models.context import get_step_context
 from lmengine.models.layers import PackedLinear, merge_linears
 
@@ -45,35 +46,30 @@ class PatchedLlamaMLP(LlamaMLP):
         return self.down_proj(self.act_fn(gate) * up)
 
 
-class PatchedLlamaAttention(LlamaAttention):
+class PatchedLlamaAttention(PagedAttentionMixin, LlamaAttention):
     def lmengine_post_patch(self) -> None:
         merge_linears(self, "qkv_proj", ["q_proj", "k_proj", "v_proj"])
         PackedLinear.convert(self.o_proj)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        ctx = get_step_context()
-        num_tokens = hidden_states.shape[0]
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden_states))  # [num_tokens, q/k/v size]
-        # [num_tokens, heads, head_dim] and [num_tokens, kv_heads, head_dim]
-        q = q.view(num_tokens, -1, self.head_dim)
-        k = k.view(num_tokens, -1, self.head_dim)
-        v = v.view(num_tokens, -1, self.head_dim)
-        q, k = apply_rotary(q, k, ctx.cos, ctx.sin)
-        k_cache, v_cache = ctx.kv_caches[self.layer_idx]
-        fill_kv_cache(k, v, k_cache, v_cache, ctx.slot_mapping)
-        out = paged_attention(q, k_cache, v_cache, ctx.attn_meta, self.scaling)
-        return self.o_proj(out.view(num_tokens, -1))
+        return self.o_proj(self.paged_attend(q, k, v))
 
 
 class PatchedLlamaDecoderLayer(LlamaDecoderLayer):
+    def norm_input(
+        self, hidden_states: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """input_layernorm, fused with the residual add the previous layer deferred.
+        Returns (normed input, residual stream)."""
+        if residual is None:
+            return self.input_layernorm(hidden_states), hidden_states
+        return self.input_layernorm(hidden_states, residual)
+
     def forward(
         self, hidden_states: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states, residual = self.norm_input(hidden_states, residual)
         hidden_states = self.self_attn(hidden_states)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
@@ -82,10 +78,8 @@ class PatchedLlamaDecoderLayer(LlamaDecoderLayer):
 class PatchedLlamaModel(LlamaModel):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids: [num_tokens] -> final hidden states [num_tokens, hidden]."""
-        ctx = get_step_context()
         hidden_states = self.embed_tokens(input_ids)  # [num_tokens, hidden]
-        cos, sin = self.rotary_emb(hidden_states, ctx.positions[None])  # [1, num_tokens, d]
-        ctx.cos, ctx.sin = cos[0], sin[0]
+        set_rotary(self.rotary_emb, hidden_states)
         residual = None
         for layer in self.layers[: self.config.num_hidden_layers]:
             hidden_states, residual = layer(hidden_states, residual)
@@ -94,11 +88,15 @@ class PatchedLlamaModel(LlamaModel):
 
 
 class PatchedLlamaForCausalLM(LlamaForCausalLM):
+    """RMSNorm, rotary, GQA, SwiGLU (SmolLM2 and any LlamaForCausalLM)."""
+
+    backbone_name = "model"  # attribute holding the patched base model
+
     def lmengine_post_patch(self) -> None:
         PackedLinear.convert(self.lm_head)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids: [num_tokens] -> logits of the sampled rows [num_samples, vocab]."""
-        hidden_states = self.model(input_ids)
+        hidden_states = getattr(self, self.backbone_name)(input_ids)
         hidden_states = hidden_states[get_step_context().logits_indices]
         return self.lm_head(hidden_states).float()

@@ -3,21 +3,67 @@
 `patch(model)` swaps the class of every module whose class is a key here for the mapped
 lmengine class (a subclass of the HF class: the weights stay, the behaviour changes).
 A model is supported when its `*ForCausalLM` class is a key. Add entries with
-`register_module` (or `EngineConfig`-level extra maps) without editing this file.
+`register_module` or `EngineConfig(module_map=...)` without editing this file.
 """
 
 from __future__ import annotations
 
-_LLAMA = "transformers.models.llama.modeling_llama"
+_HF = "transformers.models"
+_LLAMA = f"{_HF}.llama.modeling_llama"
 _PATCH = "lmengine.models.llama"
 
+
+def _family(hf_module: str, patch_module: str, names: list[str]) -> dict[str, str]:
+    """`{hf_module}.X -> {patch_module}.PatchedX` for each class name X."""
+    return {f"{_HF}.{hf_module}.{n}": f"lmengine.models.{patch_module}.Patched{n}" for n in names}
+
+
+def _llama_like(prefix: str, hf_module: str, patch_module: str, norm: str = "RMSNorm"):
+    parts = ["ForCausalLM", "Model", "DecoderLayer", "Attention", "MLP", norm]
+    return _family(hf_module, patch_module, [prefix + p for p in parts])
+
+
 MODULE_MAP: dict[str, str] = {
+    # Llama keeps its explicit entries: they are the template the guide starts from
     f"{_LLAMA}.LlamaForCausalLM": f"{_PATCH}.PatchedLlamaForCausalLM",
     f"{_LLAMA}.LlamaModel": f"{_PATCH}.PatchedLlamaModel",
     f"{_LLAMA}.LlamaDecoderLayer": f"{_PATCH}.PatchedLlamaDecoderLayer",
     f"{_LLAMA}.LlamaAttention": f"{_PATCH}.PatchedLlamaAttention",
     f"{_LLAMA}.LlamaMLP": f"{_PATCH}.PatchedLlamaMLP",
     f"{_LLAMA}.LlamaRMSNorm": f"{_PATCH}.PatchedRMSNorm",
+    **_llama_like("Qwen2", "qwen2.modeling_qwen2", "qwen"),
+    **_llama_like("Qwen3", "qwen3.modeling_qwen3", "qwen"),
+    **_llama_like("Mistral", "mistral.modeling_mistral", "mistral"),
+    **_llama_like("Gemma2", "gemma2.modeling_gemma2", "gemma2"),
+    **_llama_like("Phi3", "phi3.modeling_phi3", "phi3"),
+    **_family(
+        "mixtral.modeling_mixtral",
+        "mistral",
+        [
+            "MixtralForCausalLM",
+            "MixtralModel",
+            "MixtralDecoderLayer",
+            "MixtralAttention",
+            "MixtralSparseMoeBlock",
+            "MixtralRMSNorm",
+        ],
+    ),
+    **_family(
+        "opt.modeling_opt",
+        "opt",
+        ["OPTForCausalLM", "OPTModel", "OPTDecoder", "OPTDecoderLayer", "OPTAttention"],
+    ),
+    **_family(
+        "gpt_neox.modeling_gpt_neox",
+        "gpt_neox",
+        [
+            "GPTNeoXForCausalLM",
+            "GPTNeoXModel",
+            "GPTNeoXLayer",
+            "GPTNeoXAttention",
+            "GPTNeoXMLP",
+        ],
+    ),
 }
 
 

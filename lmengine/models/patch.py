@@ -20,8 +20,8 @@ def _import(name: str) -> type:
 
 def supported_architectures(module_map: dict[str, str] | None = None) -> list[str]:
     """Class names of the causal-LM heads that have a patch."""
-    names = (module_map or MODULE_MAP).keys()
-    return sorted(n.rpartition(".")[2] for n in names if n.endswith("ForCausalLM"))
+    names = [n.rpartition(".")[2] for n in (module_map or MODULE_MAP)]
+    return sorted(n for n in names if n.endswith(("ForCausalLM", "LMHeadModel")))
 
 
 def patch(model: nn.Module, extra_map: dict[str, str] | None = None) -> nn.Module:
@@ -37,8 +37,11 @@ def patch(model: nn.Module, extra_map: dict[str, str] | None = None) -> nn.Modul
         raise ValueError(
             f"architecture {type(model).__name__} has no lmengine patch; supported: "
             f"{', '.join(supported_architectures(module_map))}. To add one, write patched "
-            "modules and register them in MODULE_MAP (README: Adding a model)."
+            "subclasses of its HF modules and map them with lmengine.models.register_module or "
+            "EngineConfig(module_map=...): see docs/adding_a_model.md."
         )
+    # the HF architecture, for code that must know it after the classes are swapped
+    model.lmengine_architecture = type(model).__name__
     for module in model.modules():
         target = module_map.get(qualname(type(module)))
         if target is not None:

@@ -70,11 +70,13 @@ W8A8_LAYOUTS: dict[str, W8A8Layout] = {"LlamaForCausalLM": _LLAMA_LAYOUT}
 
 def get_layout(model: nn.Module) -> W8A8Layout:
     """The layout of `model` (patched or not); ValueError listing the supported ones if none."""
-    for cls in type(model).__mro__:
-        if cls.__name__ in W8A8_LAYOUTS and cls.__module__.startswith("transformers."):
-            return W8A8_LAYOUTS[cls.__name__]
+    # NOTE: by name, not by subclassing: patches of other architectures may subclass the
+    # Llama patches, so a Llama class in the MRO says nothing about the checkpoint's layout
+    name = getattr(model, "lmengine_architecture", None) or type(model).__name__
+    if name in W8A8_LAYOUTS:
+        return W8A8_LAYOUTS[name]
     raise ValueError(
-        f"w8a8 quantization is not supported for architecture {type(model).__name__}; "
+        f"w8a8 quantization is not supported for architecture {name}; "
         f"supported: {', '.join(sorted(W8A8_LAYOUTS))}"
     )
 

@@ -96,7 +96,9 @@ class BlockManager:
     def _key(self, seq: Sequence, i: int) -> bytes:
         """Key of `seq`'s full block i (keys of blocks 0..i-1 are in seq.block_keys)."""
         bs = self.block_size
-        prev = seq.block_keys[i - 1] if i else None
+        if seq.cache_salt is None:
+            seq.cache_salt = self.prefix_cache.salt(seq.adapter_name)
+        prev = seq.block_keys[i - 1] if i else seq.cache_salt
         return block_key(prev, seq.adapter_name, seq.token_ids[i * bs : (i + 1) * bs])
 
     def acquire_prefix(self, seq: Sequence) -> int:
@@ -118,6 +120,11 @@ class BlockManager:
         seq.num_computed_tokens = len(seq.block_table) * self.block_size
         self.num_prefix_hit_blocks += len(seq.block_table)
         return seq.num_computed_tokens
+
+    def forget_adapter(self, adapter_name: str) -> None:
+        """An adapter is removed: its cached blocks are never matched again."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.forget_adapter(adapter_name)
 
     def release_prefix(self, seq: Sequence) -> None:
         """Undo `acquire_prefix` for a sequence that was not admitted after all."""

@@ -1,5 +1,8 @@
 """Content-addressed KV blocks for prefix caching. Pure Python, no tensors.
 
+A sequence's chain starts at a salt made of its adapter name and how many times an adapter
+of that name has been removed, so a removed-and-re-added adapter never reuses stale KV.
+
 A full block's key chains the previous block's key, the adapter name and the block's token
 ids (blake2b, 16 bytes), so equal keys mean equal prefixes under the same adapter: blocks are
 never shared across adapters. The PrefixCache maps keys to device block ids and keeps the
@@ -30,6 +33,17 @@ class PrefixCache:
         self.block_of: dict[bytes, int] = {}  # key -> block id
         self.key_of: dict[int, bytes] = {}  # block id -> key
         self.evictable: OrderedDict[int, None] = OrderedDict()  # ref count 0, oldest first
+        self.adapter_generation: dict[str | None, int] = {}  # bumped when an adapter goes
+
+    def salt(self, adapter_name: str | None) -> bytes:
+        """Root key of the chains computed under the adapter as loaded now."""
+        generation = self.adapter_generation.get(adapter_name, 0)
+        return block_key(None, adapter_name, [generation])
+
+    def forget_adapter(self, adapter_name: str | None) -> None:
+        """Blocks computed under `adapter_name` are never matched again (an adapter loaded
+        later under the same name has other weights); they age out through the LRU."""
+        self.adapter_generation[adapter_name] = self.adapter_generation.get(adapter_name, 0) + 1
 
     def __len__(self) -> int:
         return len(self.block_of)

@@ -26,6 +26,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from lmengine.scheduler.adapter_manager import AdapterManager, AdapterPlan
 from lmengine.scheduler.block_manager import BlockManager
 from lmengine.scheduler.policies import Policy
 from lmengine.scheduler.qos import QoS
@@ -63,6 +64,7 @@ class SchedulerOutput:
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device)
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) device
+    adapter_plan: AdapterPlan | None = None  # LoRA loads, page tables of scheduled adapters
 
     @property
     def is_empty(self) -> bool:
@@ -85,6 +87,7 @@ class Scheduler:
         clock=time.monotonic,
         eviction_type: str = "recompute",
         qos: QoS | None = None,
+        adapter_manager: AdapterManager | None = None,
     ) -> None:
         if eviction_type not in ("recompute", "swap"):
             raise ValueError(f"eviction_type must be 'recompute' or 'swap', got {eviction_type!r}")
@@ -95,6 +98,7 @@ class Scheduler:
         self.clock = clock
         self.eviction_type = eviction_type
         self.qos = qos
+        self.adapter_manager = adapter_manager
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.swapped: list[Sequence] = []
@@ -127,6 +131,8 @@ class Scheduler:
         elif seq.status == SequenceStatus.SWAPPED:
             self.swapped.remove(seq)
         self.block_manager.free(seq)
+        if self.adapter_manager is not None:
+            self.adapter_manager.release(seq)
         seq.status = SequenceStatus.FINISHED
         live = self.sessions.get(seq.session_id)
         if live is not None and seq in live:
@@ -203,6 +209,8 @@ class Scheduler:
         # would thrash)
         if not (out.preempted or out.swapped_out):
             self._admit(out, now)
+        if self.adapter_manager is not None:
+            out.adapter_plan = self.adapter_manager.plan(it.seq.adapter_id for it in out.scheduled)
         return out
 
     def _num_new_tokens(self, seq: Sequence) -> int:
@@ -253,6 +261,10 @@ class Scheduler:
                 return False  # NOTE: the same hazard: it comes back next step, in the room made
             if not fits():
                 return False
+        # NOTE: adapter residency is a resource like blocks, in the same strict order: a
+        # hot adapter cannot starve a cold one by overtaking it
+        if self.adapter_manager is not None and not self.adapter_manager.acquire(seq):
+            return False
         if is_swapped:
             pairs = bm.swap_in(seq)
             out.blocks_to_swap_in.extend(pairs)
@@ -396,6 +408,8 @@ class Scheduler:
         if self.qos is not None:
             states = {"waiting": self.waiting, "running": self.running, "swapped": self.swapped}
             stats["qos"] = self.qos.stats(states, self.clock())
+        if self.adapter_manager is not None:
+            stats.update(self.adapter_manager.stats())
         return stats
 
     def check_integrity(self) -> None:
@@ -413,6 +427,8 @@ class Scheduler:
         for seq in self.waiting:
             assert not seq.host_block_table, f"waiting seq {seq.seq_id} holds host blocks"
         self.block_manager.check_integrity(self.live_sequences())
+        if self.adapter_manager is not None:
+            self.adapter_manager.check_integrity(self.live_sequences())
 
 
 def _num_prompt_tokens(seq: Sequence, start: int, num_new: int) -> int:

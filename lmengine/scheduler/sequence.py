@@ -27,12 +27,14 @@ class Sequence:
     priority: int | None = None
     user_id: str | None = None
     adapter_name: str | None = None
+    adapter_id: int | None = None  # the AdapterManager's id of adapter_name, fixed at arrival
     arrival_time: float = field(default_factory=time.monotonic)
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
     block_table: list[int] = field(default_factory=list)  # device block ids, in order
     host_block_table: list[int] = field(default_factory=list)  # host block ids while SWAPPED
     block_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of full blocks
+    cache_salt: bytes | None = None  # prefix-cache root: adapter name and its load generation
     num_preemptions: int = 0
     num_prompt_tokens: int = -1
     num_charged_tokens: int = 0  # tokens already counted as served to its QoS tenant

@@ -134,7 +134,9 @@ class OpenAIServer:
         """The adapter a `model` field names (None: the base model); 404 when unknown."""
         if model is None or model == self.settings.model_name:
             return None
-        if model in (self.engine.engine_config.adapters or {}):
+        # NOTE: the engine's current names, so adapters added at run time are served too
+        names = getattr(self.engine, "adapter_names", None)
+        if model in (names if names is not None else self.engine.engine_config.adapters or {}):
             return model
         raise APIError(
             404, f"the model {model!r} does not exist", "invalid_request_error", "model_not_found"

@@ -46,8 +46,11 @@ def make_paged_batch(
     return q, k_cache, v_cache, meta, dense_k, dense_v
 
 
-def dense_causal_attention(q, dense_k, dense_v, q_lens, kv_lens, scale):
-    """Independent dense reference: per sequence, plain softmax attention in float64."""
+def dense_causal_attention(
+    q, dense_k, dense_v, q_lens, kv_lens, scale, sliding_window=None, softcap=None
+):
+    """Independent dense reference: per sequence, plain softmax attention in float64; a query
+    at position p sees keys (p - sliding_window, p]; scores are soft-capped before masking."""
     out, start = [], 0
     for b, (ql, kl) in enumerate(zip(q_lens, kv_lens)):
         qb = q[start : start + ql].double()
@@ -56,7 +59,12 @@ def dense_causal_attention(q, dense_k, dense_v, q_lens, kv_lens, scale):
         k = dense_k[b].double().repeat_interleave(groups, dim=1)
         v = dense_v[b].double().repeat_interleave(groups, dim=1)
         scores = torch.einsum("qhd,khd->hqk", qb, k) * scale
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
         pos = torch.arange(kl - ql, kl)[:, None]
-        scores = scores.masked_fill(torch.arange(kl)[None, :] > pos, float("-inf"))
+        visible = torch.arange(kl)[None, :] <= pos
+        if sliding_window is not None:
+            visible &= torch.arange(kl)[None, :] > pos - sliding_window
+        scores = scores.masked_fill(~visible, float("-inf"))
         out.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), v))
     return torch.cat(out)

@@ -3,7 +3,9 @@
 Layouts: q, out: [num_tokens, num_heads, head_dim] packed over sequences; k_cache, v_cache:
 [num_blocks, block_size, num_kv_heads, head_dim]; per-sequence metadata from AttentionMetadata
 (block_tables [num_seqs, max_blocks] int32, q_start_loc / q_lens / kv_lens [num_seqs] int32).
-Query i of sequence b sits at position kv_lens[b] - q_lens[b] + i and sees keys 0..position.
+Query i of sequence b sits at position kv_lens[b] - q_lens[b] + i and sees keys 0..position
+(with a sliding window W: only keys position-W+1..position, and the key loop starts there).
+An optional soft cap c turns the scaled scores into c * tanh(scores / c) before masking.
 
 Grid: (sequence, query block, kv head). A program owns BLOCK_Q consecutive queries of one
 sequence and the GROUP_SIZE query heads that share one KV head, packed as the BLOCK_M rows of
@@ -25,7 +27,6 @@ if TYPE_CHECKING:
     from lmengine.kernels.paged_attention import AttentionMetadata
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_LOG2E = 1.4426950408889634
 
 
 @triton.jit
@@ -38,7 +39,9 @@ def _paged_attention_kernel(
     q_start_loc_ptr,  # [num_seqs] int32
     q_lens_ptr,  # [num_seqs] int32
     kv_lens_ptr,  # [num_seqs] int32
-    qk_scale,  # softmax scale * log2(e): scores are exponentiated with exp2
+    sm_scale,  # softmax scale; scores are then multiplied by log2(e) and exponentiated with exp2
+    softcap,  # soft cap c (used when HAS_SOFTCAP)
+    sliding_window,  # keys per query (used when HAS_WINDOW)
     stride_q_t,
     stride_q_h,
     stride_k_cache_b,
@@ -58,6 +61,8 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr,  # keys per tile
     HEAD_DIM: tl.constexpr,  # head_dim padded to a power of two >= 16
     IEEE_DOT: tl.constexpr,  # float32 inputs: full-precision dot instead of tf32
+    HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
 ):
     seq = tl.program_id(0)
     q_block = tl.program_id(1)
@@ -91,11 +96,15 @@ def _paged_attention_kernel(
 
     # keys past the last query of this program are invisible to every row
     kv_end = tl.minimum(kv_len, history + q_first + BLOCK_Q)
+    kv_begin = 0
+    if HAS_WINDOW:
+        # keys before the first row's window are invisible to every row
+        kv_begin = tl.maximum(history + q_first - sliding_window + 1, 0)
     offs_n = tl.arange(0, BLOCK_N)  # [BLOCK_N]
     table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_block_tables_b
     k_head_ptr = k_cache_ptr + kv_head * stride_k_cache_h
     v_head_ptr = v_cache_ptr + kv_head * stride_v_cache_h
-    for start_n in range(0, kv_end, BLOCK_N):
+    for start_n in range(kv_begin, kv_end, BLOCK_N):
         kv_idx = start_n + offs_n  # [BLOCK_N] key position
         kv_valid = kv_idx < kv_end  # [BLOCK_N]
         page = tl.load(table_ptr + kv_idx // PAGE_SIZE, mask=kv_valid, other=0).to(tl.int64)
@@ -109,8 +118,14 @@ def _paged_attention_kernel(
             s = tl.dot(q, k, input_precision="ieee")  # [BLOCK_M, BLOCK_N]
         else:
             s = tl.dot(q, k)
+        s = s * sm_scale
+        if HAS_SOFTCAP:
+            # c * tanh(s / c), with tanh(x) = 1 - 2 / (exp(2x) + 1) (saturates cleanly)
+            s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))
         visible = kv_valid[None, :] & (kv_idx[None, :] <= q_pos[:, None])  # [BLOCK_M, BLOCK_N]
-        s = tl.where(visible, s * qk_scale, float("-inf"))
+        if HAS_WINDOW:
+            visible = visible & (kv_idx[None, :] > q_pos[:, None] - sliding_window)
+        s = tl.where(visible, s * 1.4426950408889634, float("-inf"))  # log2(e): exp2 below
 
         m_new = tl.maximum(m_i, tl.max(s, axis=1))  # [BLOCK_M]
         alpha = tl.exp2(m_i - m_new)  # [BLOCK_M] rescales the old sum and accumulator
@@ -128,7 +143,7 @@ def _paged_attention_kernel(
         acc = acc * alpha[:, None] + pv
         m_i = m_new
 
-    l_safe = tl.where(l_i > 0.0, l_i, 1.0)  # padding rows only; every real row sees key 0
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)  # padding rows only; every real row sees itself
     out = acc / l_safe[:, None]  # [BLOCK_M, HEAD_DIM]
     out_ptrs = (
         out_ptr + token[:, None] * stride_out_t + head[:, None] * stride_out_h + offs_d[None, :]
@@ -201,9 +216,12 @@ def paged_attention_triton(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """q: [num_tokens, num_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size,
-    num_kv_heads, head_dim], already holding this step's keys.
+    num_kv_heads, head_dim], already holding this step's keys. `sliding_window` and
+    `softcap` as in lmengine.kernels.paged_attention (None = off).
     Returns a new [num_tokens, num_heads, head_dim] tensor."""
     _check(q, k_cache, v_cache, meta)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -225,7 +243,9 @@ def paged_attention_triton(
         meta.q_start_loc,
         meta.q_lens,
         meta.kv_lens,
-        float(scale) * _LOG2E,
+        float(scale),
+        float(softcap or 1.0),
+        int(sliding_window or 0),
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
@@ -245,6 +265,8 @@ def paged_attention_triton(
         BLOCK_N=block_n,
         HEAD_DIM=head_dim_padded,
         IEEE_DOT=q.dtype == torch.float32,
+        HAS_WINDOW=sliding_window is not None,
+        HAS_SOFTCAP=softcap is not None,
         num_warps=4,
     )
     return out
