@@ -13,12 +13,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from lmengine.kernels import cpu_ext
-
 _PACK_BATCH_HINT = 64  # oneDNN picks the packed layout for this many rows
 _MIN_ROWS_FOR_PACKED = 2  # a single row is a GEMV: MKL is faster
 _MAX_ROWS_FOR_PACKED = 1023  # from ~1k rows (large prefills) MKL is faster again
-_MAX_ROWS_FOR_SMALL_GEMM = 1  # rows served by the compiled weight-streaming kernel
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -45,12 +42,6 @@ def linear(
     packed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x: [num_tokens, in] -> [num_tokens, out]; `packed` from `pack_weight(weight)`."""
-    rows = x.shape[0]
-    if packed is not None and 1 <= rows <= _MAX_ROWS_FOR_SMALL_GEMM and weight.is_contiguous():
-        # NOTE: a packed weight means CPU float32, which is what the compiled kernel takes
-        module = cpu_ext.load()
-        if module is not None:
-            return module.small_gemm(x.contiguous(), weight, bias)
     if packed is None or not _MIN_ROWS_FOR_PACKED <= x.shape[0] <= _MAX_ROWS_FOR_PACKED:
         return F.linear(x, weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")

@@ -134,71 +134,9 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   return out;
 }
 
-// A few rows times a weight matrix, for decoding one or two sequences, where the work is
-// streaming the weight from memory once:
-//   x: [num_rows, in] (num_rows <= 4), weight: [out, in], bias: [out] or None -> [num_rows, out]
-// Four weight rows are read together (four independent accumulators, four memory streams);
-// the output rows are split over the threads.
-at::Tensor small_gemm(const at::Tensor& x, const at::Tensor& weight,
-                      const c10::optional<at::Tensor>& bias) {
-  check_cpu_f32(x, "x");
-  check_cpu_f32(weight, "weight");
-  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
-              "x [rows, in] and weight [out, in] do not match");
-  const int64_t num_rows = x.size(0), in = x.size(1), out_features = weight.size(0);
-  TORCH_CHECK(num_rows >= 1 && num_rows <= 4, "small_gemm takes 1 to 4 rows, got ", num_rows);
-  const float* b_ptr = nullptr;
-  if (bias.has_value()) {
-    check_cpu_f32(*bias, "bias");
-    TORCH_CHECK(bias->numel() == out_features, "bias size differs from the weight's rows");
-    b_ptr = bias->data_ptr<float>();
-  }
-  auto out = at::empty({num_rows, out_features}, x.options());
-  const float* x_ptr = x.data_ptr<float>();
-  const float* w_ptr = weight.data_ptr<float>();
-  float* o_ptr = out.data_ptr<float>();
-  at::parallel_for(0, (out_features + 3) / 4, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t quad = begin; quad < end; ++quad) {
-      const int64_t n = quad * 4;
-      if (n + 4 <= out_features) {
-        const float* w0 = w_ptr + n * in;
-        const float* w1 = w0 + in;
-        const float* w2 = w1 + in;
-        const float* w3 = w2 + in;
-        for (int64_t m = 0; m < num_rows; ++m) {
-          const float* xm = x_ptr + m * in;
-          float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
-#pragma omp simd reduction(+ : s0, s1, s2, s3)
-          for (int64_t k = 0; k < in; ++k) {
-            s0 += w0[k] * xm[k];
-            s1 += w1[k] * xm[k];
-            s2 += w2[k] * xm[k];
-            s3 += w3[k] * xm[k];
-          }
-          float* om = o_ptr + m * out_features + n;
-          om[0] = s0 + (b_ptr ? b_ptr[n] : 0.f);
-          om[1] = s1 + (b_ptr ? b_ptr[n + 1] : 0.f);
-          om[2] = s2 + (b_ptr ? b_ptr[n + 2] : 0.f);
-          om[3] = s3 + (b_ptr ? b_ptr[n + 3] : 0.f);
-        }
-      } else {
-        for (int64_t r = n; r < out_features; ++r) {
-          for (int64_t m = 0; m < num_rows; ++m) {
-            const float s = dot(w_ptr + r * in, x_ptr + m * in, in);
-            o_ptr[m * out_features + r] = s + (b_ptr ? b_ptr[r] : 0.f);
-          }
-        }
-      }
-    }
-  });
-  return out;
-}
-
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
         "decode attention over the paged KV cache (float32, CPU)", py::arg("q"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("kv_lens"),
         py::arg("scale"), py::arg("sliding_window") = 0, py::arg("softcap") = 0.0);
-  m.def("small_gemm", &small_gemm, "1 to 4 rows times a weight matrix (float32, CPU)",
-        py::arg("x"), py::arg("weight"), py::arg("bias") = py::none());
 }
