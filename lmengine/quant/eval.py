@@ -51,7 +51,7 @@ def perplexity(engine, token_ids: list[int], window: int = 128, max_windows: int
             )
             for i, w in enumerate(windows)
         ]
-        input_ids, ctx = agent.prepare(SimpleNamespace(scheduled=items))
+        input_ids, ctx = agent.prepare(SimpleNamespace(scheduled=items, adapter_plan=None))
         ctx.logits_indices = torch.arange(input_ids.shape[0], device=input_ids.device)
         with torch.inference_mode(), step_context(ctx):
             logits = agent.model(input_ids).float()  # [num_windows * window, vocab]
