@@ -74,12 +74,17 @@ class Pipeline:
             return [prompts], True
         return list(prompts), False
 
-    def _submit(self, prompts: list[Prompt], gen_config, adapter_name, priority, responses):
+    def _submit(
+        self, prompts: list[Prompt], gen_config, adapter_name, priority, responses, user_id=None
+    ):
         configs = gen_config if isinstance(gen_config, list) else [gen_config] * len(prompts)
         if len(configs) != len(prompts):
             raise ValueError(f"{len(configs)} gen_configs for {len(prompts)} prompts")
         adapters = adapter_name if isinstance(adapter_name, list) else [adapter_name] * len(prompts)
-        for i, (prompt, cfg, adapter) in enumerate(zip(prompts, configs, adapters)):
+        users = user_id if isinstance(user_id, list) else [user_id] * len(prompts)
+        if len(adapters) != len(prompts) or len(users) != len(prompts):
+            raise ValueError("adapter_name and user_id lists need one entry per prompt")
+        for i, (prompt, cfg, adapter, user) in enumerate(zip(prompts, configs, adapters, users)):
             try:
                 ids = self.encode(prompt)
             except ValueError as e:
@@ -92,6 +97,7 @@ class Pipeline:
                 response_queue=responses,
                 adapter_name=adapter,
                 priority=priority,
+                user_id=user,
                 index=i,
             )
             self.engine.request_manager.submit(req)
@@ -103,12 +109,14 @@ class Pipeline:
         gen_config: GenerationConfig | list[GenerationConfig] | None = None,
         adapter_name: str | list[str] | None = None,
         priority: int | None = None,
+        user_id: str | list[str] | None = None,
     ) -> Iterator[Response]:
         """Yield deltas: each Response carries the new text and new token ids of prompt
-        `r.index` since its previous delta; the last one of a prompt has its finish_reason."""
+        `r.index` since its previous delta; the last one of a prompt has its finish_reason.
+        `adapter_name` and `user_id` (the QoS user) are one value or a list, one per prompt."""
         batch, _ = self._as_batch(prompts)
         responses = new_queue()
-        self._submit(batch, gen_config, adapter_name, priority, responses)
+        self._submit(batch, gen_config, adapter_name, priority, responses, user_id)
         seen_text = [""] * len(batch)
         seen_tokens = [0] * len(batch)
         for r in _responses(responses, len(batch)):
@@ -135,12 +143,13 @@ class Pipeline:
         adapter_name: str | list[str] | None = None,
         priority: int | None = None,
         use_tqdm: bool = False,
+        user_id: str | list[str] | None = None,
     ) -> list[Response] | Response:
         """Generate for every prompt; returns one final Response per prompt (in order), or a
         single Response when a single prompt was given."""
         batch, single = self._as_batch(prompts)
         responses = new_queue()
-        self._submit(batch, gen_config, adapter_name, priority, responses)
+        self._submit(batch, gen_config, adapter_name, priority, responses, user_id)
         finals: list[Response | None] = [None] * len(batch)
         bar = None
         if use_tqdm:

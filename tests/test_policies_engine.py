@@ -83,6 +83,19 @@ def test_unknown_qos_user_is_a_request_error_and_the_engine_lives_on(qos_engine)
     qos_engine.check_integrity()
 
 
+def test_pipeline_passes_one_qos_user_per_prompt(qos_engine):
+    from lmengine.api import Pipeline
+
+    pipe = Pipeline(qos_engine)  # NOTE: not closed: the module's engine is shared
+    gen = GenerationConfig(max_new_tokens=2)
+    bad, ok = pipe([[5, 6, 7], [5, 6, 8]], gen_config=gen, user_id=["mallory", "user_id1"])
+    assert bad.finish_reason == "error" and "'mallory'" in bad.error
+    assert ok.finish_reason == "length"
+    with pytest.raises(ValueError, match="one entry per prompt"):
+        pipe([[5, 6, 7], [5, 6, 8]], gen_config=gen, user_id=["user_id1"])
+    qos_engine.check_integrity()
+
+
 def test_malformed_qos_file_fails_at_startup_naming_the_field(tiny_llama_path, tmp_path):
     data = json.loads(json.dumps(LMDEPLOY_SAMPLE))
     data["user_group_map"]["Gold"][0]["quota_pct"] = "lots"
