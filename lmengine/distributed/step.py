@@ -17,8 +17,7 @@ import torch.distributed as dist
 from lmengine.config import EngineConfig
 from lmengine.distributed.comm import all_reduce_min
 from lmengine.engine.cache_engine import CacheEngine, CacheSpec, derive_num_blocks
-from lmengine.kernels import AttentionMetadata
-from lmengine.models.context import StepContext, step_context
+from lmengine.models.context import StepContext, build_step_context, step_context
 from lmengine.models.model_info import ModelInfo
 from lmengine.scheduler.scheduler import SchedulerOutput
 
@@ -166,31 +165,17 @@ class RankRunner:
 
     def build(self, inputs: StepInputs) -> tuple[torch.Tensor, StepContext]:
         """Pack the scheduled chunks into one token sequence and build the step context."""
-        bs, dev = self.block_size, self.device
-        q_lens_t = torch.tensor(inputs.q_lens)
-        kv_lens = [s + n for s, n in zip(inputs.start_pos, inputs.q_lens)]
-        # position of every packed token: start of its sequence + offset within the chunk
-        seq_of_token = torch.repeat_interleave(torch.arange(len(inputs.q_lens)), q_lens_t)  # [T]
-        first_token = torch.cumsum(q_lens_t, 0) - q_lens_t  # [B]
-        offset = torch.arange(int(q_lens_t.sum())) - first_token[seq_of_token]
-        positions = torch.tensor(inputs.start_pos)[seq_of_token] + offset  # [T]
-        meta = AttentionMetadata.build(
-            inputs.block_tables, inputs.q_lens, kv_lens, bs, dev, kv_token_bytes=self.kv_token_bytes
+        ctx = build_step_context(
+            inputs.q_lens,
+            inputs.start_pos,
+            inputs.block_tables,
+            inputs.needs_sample,
+            self.block_size,
+            self.cache_engine.kv_caches,
+            self.device,
+            self.kv_token_bytes,
         )
-        # flat cache slot of every packed token
-        slot_mapping = (
-            meta.block_tables.cpu()[seq_of_token, positions // bs].long() * bs + positions % bs
-        )
-        sample_rows = torch.tensor(inputs.needs_sample, dtype=torch.bool)
-        logits_indices = (first_token + q_lens_t - 1)[sample_rows]
-        ctx = StepContext(
-            positions=positions.to(dev),
-            slot_mapping=slot_mapping.to(dev),
-            attn_meta=meta,
-            kv_caches=self.cache_engine.kv_caches,
-            logits_indices=logits_indices.to(dev),
-        )
-        return inputs.token_ids.to(dev), ctx
+        return inputs.token_ids.to(self.device), ctx
 
     @torch.inference_mode()
     def run(self, inputs: StepInputs) -> torch.Tensor | None:

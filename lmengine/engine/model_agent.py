@@ -14,9 +14,9 @@ from lmengine.config import EngineConfig
 from lmengine.engine.cache_engine import CacheEngine, CacheSpec, derive_num_blocks
 from lmengine.engine.lora_pool import LoRAPool
 from lmengine.engine.sampling import Sampler, SampleResult
-from lmengine.kernels import AttentionMetadata, cpu_ext
+from lmengine.kernels import cpu_ext
 from lmengine.models import patch
-from lmengine.models.context import StepContext, step_context
+from lmengine.models.context import StepContext, build_step_context, step_context
 from lmengine.models.model_info import ModelInfo
 from lmengine.quant import apply_quant_policy
 from lmengine.scheduler.scheduler import SchedulerOutput
@@ -57,43 +57,22 @@ class ModelAgent:
     def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, StepContext]:
         """Pack the scheduled chunks into one token sequence and build the step context."""
         items = out.scheduled
-        bs = self.block_size
-        q_lens = [it.num_new_tokens for it in items]
-        starts = [it.start_pos for it in items]
-        kv_lens = [s + n for s, n in zip(starts, q_lens)]
         input_ids = torch.tensor(list(itertools.chain.from_iterable(it.token_ids for it in items)))
-        q_lens_t = torch.tensor(q_lens)
-        # position of every packed token: start of its sequence + offset within the chunk
-        seq_of_token = torch.repeat_interleave(torch.arange(len(items)), q_lens_t)  # [T]
-        first_token = torch.cumsum(q_lens_t, 0) - q_lens_t  # [B]
-        offset = torch.arange(int(q_lens_t.sum())) - first_token[seq_of_token]
-        positions = torch.tensor(starts)[seq_of_token] + offset  # [T]
-        meta = AttentionMetadata.build(
+        ctx = build_step_context(
+            [it.num_new_tokens for it in items],
+            [it.start_pos for it in items],
             [it.block_table for it in items],
-            q_lens,
-            kv_lens,
-            bs,
+            [it.needs_sample for it in items],
+            self.block_size,
+            self.cache_engine.kv_caches,
             self.device,
-            kv_token_bytes=self.kv_token_bytes,
-        )
-        # flat cache slot of every packed token
-        slot_mapping = (
-            meta.block_tables.cpu()[seq_of_token, positions // bs].long() * bs + positions % bs
-        )
-        sample_rows = [i for i, it in enumerate(items) if it.needs_sample]
-        logits_indices = (first_token + q_lens_t - 1)[sample_rows]
-        dev = self.device
-        ctx = StepContext(
-            positions=positions.to(dev),
-            slot_mapping=slot_mapping.to(dev),
-            attn_meta=meta,
-            kv_caches=self.cache_engine.kv_caches,
-            logits_indices=logits_indices.to(dev),
+            self.kv_token_bytes,
         )
         if out.adapter_plan is not None:
             adapter_ids = [it.seq.adapter_id for it in items]
-            ctx.lora = self.lora.step(adapter_ids, q_lens_t, out.adapter_plan)
-        return input_ids.to(dev), ctx
+            q_lens = torch.tensor([it.num_new_tokens for it in items])
+            ctx.lora = self.lora.step(adapter_ids, q_lens, out.adapter_plan)
+        return input_ids.to(self.device), ctx
 
     @torch.inference_mode()
     def forward(self, out: SchedulerOutput) -> dict[int, SampleResult]:

@@ -45,3 +45,42 @@ def step_context(ctx: StepContext) -> Iterator[StepContext]:
         yield ctx
     finally:
         _CURRENT = previous
+
+
+def build_step_context(
+    q_lens: list[int],
+    start_pos: list[int],
+    block_tables: list[list[int]],
+    needs_sample: list[bool],
+    block_size: int,
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    device: torch.device,
+    kv_token_bytes: int = 0,
+) -> StepContext:
+    """The context of one packed step: sequence b computes `q_lens[b]` tokens from position
+    `start_pos[b]` on, in the blocks of `block_tables[b]`; rows with `needs_sample` get logits.
+    Shared by the ModelAgent and every tensor-parallel rank, so they pack identically."""
+    q_lens_t = torch.tensor(q_lens)
+    kv_lens = [s + n for s, n in zip(start_pos, q_lens)]
+    # position of every packed token: start of its sequence + offset within the chunk
+    seq_of_token = torch.repeat_interleave(torch.arange(len(q_lens)), q_lens_t)  # [T]
+    first_token = torch.cumsum(q_lens_t, 0) - q_lens_t  # [B]
+    offset = torch.arange(int(q_lens_t.sum())) - first_token[seq_of_token]
+    positions = torch.tensor(start_pos)[seq_of_token] + offset  # [T]
+    meta = AttentionMetadata.build(
+        block_tables, q_lens, kv_lens, block_size, device, kv_token_bytes=kv_token_bytes
+    )
+    # flat cache slot of every packed token
+    slot_mapping = (
+        meta.block_tables.cpu()[seq_of_token, positions // block_size].long() * block_size
+        + positions % block_size
+    )
+    sample_rows = torch.tensor(needs_sample, dtype=torch.bool)
+    logits_indices = (first_token + q_lens_t - 1)[sample_rows]  # [num_samples]
+    return StepContext(
+        positions=positions.to(device),
+        slot_mapping=slot_mapping.to(device),
+        attn_meta=meta,
+        kv_caches=kv_caches,
+        logits_indices=logits_indices.to(device),
+    )
