@@ -116,7 +116,7 @@ def server(tiny_llama_path, tmp_path_factory):
     proc, url = start_server(
         tiny_llama_path,
         "--api-keys", API_KEY, "other-key",
-        "--session-len", "96",
+        "--session-len", "640",  # long enough that a disconnected request is still running
         "--max-batch-size", "64",
         "--num-threads", "1",  # tiny model: one thread is fastest on a busy machine
         "--num-gpu-blocks", "512",
@@ -267,7 +267,7 @@ def error_of(resp) -> dict:
         ("/v1/completions", {"prompt": "x", "seed": -1}, "seed"),
         ("/v1/completions", {"prompt": "x", "min_tokens": 20, "max_tokens": 5}, None),
         ("/v1/completions", {"prompt": ""}, None),  # empty prompt: refused by the engine
-        ("/v1/completions", {"prompt": [5] * 200}, None),  # over session_len: the engine
+        ("/v1/completions", {"prompt": [5] * 700}, None),  # over session_len: the engine
         ("/v1/completions", {"prompt": [10**9]}, None),  # outside the vocabulary: the engine
         ("/v1/completions", {"prompt": "x", "best_of": 3}, "best_of"),
         ("/v1/chat/interactive_qos", {"prompt": "x", "session_id": "s"}, "session_id"),
@@ -338,7 +338,7 @@ def test_client_disconnect_cancels_and_frees_blocks(server):
     before = metrics(server)
     cancelled = 'lmengine_requests_total{endpoint="completions",finish_reason="cancel"}'
     headers = {"Authorization": f"Bearer {API_KEY}"}
-    body = {"prompt": "x", "max_tokens": 90, "temperature": 0, "ignore_eos": True, "n": 3}
+    body = {"prompt": "x", "max_tokens": 600, "temperature": 0, "ignore_eos": True, "n": 3}
     # streaming: read two events, then hang up
     with httpx.stream("POST", server + "/v1/completions", json={**body, "stream": True},
                       headers=headers, timeout=30) as r:  # fmt: skip

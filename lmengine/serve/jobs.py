@@ -246,7 +246,7 @@ class Job:
                 continue
             yield item
 
-    async def watch_disconnect(self, request, interval: float = 0.25) -> None:
+    async def watch_disconnect(self, request, interval: float = 0.05) -> None:
         """Cancel the job when the HTTP client goes away (run as a task while waiting)."""
         while not self.is_done:
             if await request.is_disconnected():
