@@ -194,7 +194,6 @@ def test_bad_tp_settings_are_refused_before_start(tiny_llama_path):
     cases = [
         (dict(tp=3), "tp=3 does not divide num_attention_heads=4"),
         (dict(tp=8), "tp=8 does not divide num_attention_heads=4"),
-        (dict(tp=2, adapters={"a": "/nowhere"}), "LoRA adapters is not supported"),
         (dict(tp=2, quant_policy="w8a8"), "w8a8"),
     ]
     if (os.cpu_count() or 1) < 4:
@@ -227,6 +226,7 @@ def test_step_channel_round_trip_and_growth():
         q_lens=[299, 1],
         needs_sample=[True, False],
         block_tables=[list(range(75)), [80, 81]],
+        lora=[1, 0, 1, 2, 2, 5, 6, 0, 0, -1],
     )
     small = StepInputs([], [], [(9, 10)], torch.tensor([5]), [3], [1], [True], [[2]])
     for inputs in (big, small, big):
@@ -236,7 +236,10 @@ def test_step_channel_round_trip_and_growth():
         for field in ("swap_in", "swap_out", "copy", "start_pos", "q_lens", "needs_sample"):
             assert getattr(got, field) == getattr(inputs, field), field
         assert got.block_tables == inputs.block_tables
+        assert got.lora == inputs.lora
         assert torch.equal(got.token_ids, inputs.token_ids)
-    assert receiver.buffer.numel() == sender.buffer.numel() >= 8 + 300 + 75
+    assert receiver.buffer.numel() == sender.buffer.numel() >= 9 + 300 + 75
+    sender.send_control({"op": "store", "path": "/a/b é"})  # a LoRA control message
+    assert receiver.receive() == {"op": "store", "path": "/a/b é"}
     sender.send(None)
     assert receiver.receive() is None

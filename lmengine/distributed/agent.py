@@ -26,6 +26,7 @@ import torch.distributed as dist
 from lmengine.config import EngineConfig
 from lmengine.distributed.comm import TPGroup, backend_for, reset_tp_group, set_tp_group
 from lmengine.distributed.load import load_shard, local_checkpoint, weight_bytes
+from lmengine.distributed.lora import needs_broadcast
 from lmengine.distributed.step import StepChannel, StepInputs, build_rank_runner
 from lmengine.distributed.worker import (
     COLLECTIVE_TIMEOUT,
@@ -127,8 +128,6 @@ class TPModelAgent(ModelAgent):
         on_failure: Callable[[str], None] | None = None,
     ) -> None:
         cfg = engine_config
-        if cfg.adapters:
-            raise ValueError("tp > 1 with LoRA adapters is not supported yet")
         if cfg.quant_policy is not None:
             raise ValueError(f"tp > 1 with quant_policy={cfg.quant_policy!r} is not supported yet")
         from lmengine.engine.loader import resolve_model_path
@@ -167,11 +166,13 @@ class TPModelAgent(ModelAgent):
             set_tp_group(TPGroup(0, cfg.tp, device))
             self.runner = build_rank_runner(self.model, self.info, cfg, device)
             self.channel = StepChannel(device)
+            self.runner.lora.send = self.channel.send_control
         except BaseException:
             self._shutdown(send_stop=False)
             raise
         self.cache_engine = self.runner.cache_engine
         self.kv_token_bytes = self.runner.kv_token_bytes
+        self.lora = self.runner.lora  # the engine adds adapters through it
         self.sampler = Sampler(self.info.eos_token_ids, device)
         self._monitor = threading.Thread(target=self._watch, name="lmengine-tp-watch", daemon=True)
         self._monitor.start()
@@ -191,10 +192,11 @@ class TPModelAgent(ModelAgent):
     @torch.inference_mode()
     def forward(self, out: SchedulerOutput) -> dict[int, SampleResult]:
         has_swaps = out.blocks_to_swap_in or out.blocks_to_swap_out or out.blocks_to_copy
-        if out.is_empty and not has_swaps:
+        if out.is_empty and not has_swaps and not needs_broadcast(out.adapter_plan):
             return {}
         self._raise_if_failed()
         inputs = StepInputs.from_output(out)
+        inputs.lora = self.lora.encode(out)
         try:
             self.channel.send(inputs)
             logits = self.runner.run(inputs)  # [num_samples, vocab]

@@ -48,7 +48,18 @@ class Piece:
     missing_is_zero: bool = False  # a merged part without a bias: zeros of `stop - start`
 
 
-LoadPlan = dict[str, list[Piece]]  # parameter name (as named_parameters gives it) -> pieces
+LoadPlan = dict[str, list[Piece]]  # parameter or buffer name -> pieces
+
+
+@dataclass(frozen=True)
+class TPShard:
+    """How one linear was split, kept on it (`lmengine_tp_shard`) for whoever shards tensors
+    that pair with its weight (LoRA A and B)."""
+
+    style: str  # "colwise" (output rows split) or "rowwise" (input columns split)
+    full_sizes: tuple[int, ...]  # colwise: full output rows of each part; rowwise: (full in,)
+    ranges: tuple[tuple[int, int], ...]  # colwise: this rank's rows of each part; rowwise:
+    # ((first, stop) input column,)
 
 
 def tp_plan(model: nn.Module) -> dict[str, str]:
@@ -223,6 +234,9 @@ def _shard_merged(
             sizes.append(b - a)
     else:
         raise ValueError(f"the parts {parts} of one merged linear must all be colwise")
+    if styles == {"colwise"}:
+        ranges = tuple((p.start, p.stop) for p in weight_pieces)
+        module.lmengine_tp_shard = TPShard("colwise", tuple(module.output_sizes), ranges)
     module.weight = _meta_param((sum(sizes), module.in_features), module.weight)
     module.out_features = sum(sizes)
     module.output_sizes = sizes
@@ -250,6 +264,7 @@ def _shard_linear(
         size = module.out_features
         what = f"the {size // unit} {'heads' if unit > 1 else 'rows'} of {name}"
         a, b = unit_range(size // unit, unit, rank, tp, what, can_share=unit > 1)
+        module.lmengine_tp_shard = TPShard("colwise", (size,), ((a, b),))
         module.weight = _meta_param((b - a, module.in_features), module.weight)
         load[f"{name}.weight"] = [Piece(f"{name}.weight", 0, a, b)]
         if module.bias is not None:
@@ -260,6 +275,7 @@ def _shard_linear(
     size = module.in_features
     what = f"the {size // unit} input {'heads' if unit > 1 else 'columns'} of {name}"
     a, b = unit_range(size // unit, unit, rank, tp, what, can_share=False)
+    module.lmengine_tp_shard = TPShard("rowwise", (size,), ((a, b),))
     module.weight = _meta_param((module.out_features, b - a), module.weight)
     load[f"{name}.weight"] = [Piece(f"{name}.weight", 1, a, b)]
     if module.bias is not None:
