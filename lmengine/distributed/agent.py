@@ -128,13 +128,18 @@ class TPModelAgent(ModelAgent):
         on_failure: Callable[[str], None] | None = None,
     ) -> None:
         cfg = engine_config
-        if cfg.quant_policy is not None:
-            raise ValueError(f"tp > 1 with quant_policy={cfg.quant_policy!r} is not supported yet")
         from lmengine.engine.loader import resolve_model_path
         from lmengine.quant.w8a8 import read_quant_config
 
-        if read_quant_config(resolve_model_path(model_path)) is not None:
-            raise ValueError("tp > 1 with a w8a8 checkpoint is not supported yet: use tp=1")
+        is_w8a8 = read_quant_config(resolve_model_path(model_path)) is not None
+        if cfg.quant_policy is not None and not is_w8a8:
+            raise ValueError(
+                f"tp > 1 with quant_policy={cfg.quant_policy!r} on a float checkpoint is not "
+                "supported: quantize it first (`lmengine quantize w8a8`) and serve that "
+                "checkpoint with tp > 1"
+            )
+        if is_w8a8 and cfg.adapters:
+            raise ValueError("LoRA adapters are not supported together with a w8a8 checkpoint")
         if dist.is_initialized():
             raise RuntimeError(
                 "a process group already exists in this process: one tensor-parallel engine "
