@@ -190,7 +190,7 @@ def test_worker_that_fails_to_start(tiny_llama_path, monkeypatch):
     assert not dist.is_initialized()
 
 
-def test_bad_tp_settings_are_refused_before_start(tiny_llama_path):
+def test_bad_tp_settings_are_refused_before_start(tiny_llama_path, tmp_path):
     cases = [
         (dict(tp=3), "tp=3 does not divide num_attention_heads=4"),
         (dict(tp=8), "tp=8 does not divide num_attention_heads=4"),
@@ -201,8 +201,16 @@ def test_bad_tp_settings_are_refused_before_start(tiny_llama_path):
     for cfg, message in cases:
         with pytest.raises(ValueError, match=message):
             Engine.from_pretrained(tiny_llama_path, EngineConfig(device="cpu", **cfg))
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer, MixtralConfig, MixtralForCausalLM
 
+    moe = MixtralConfig(
+        vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+    )  # fmt: skip
+    MixtralForCausalLM(moe).save_pretrained(tmp_path / "moe")
+    AutoTokenizer.from_pretrained(tiny_llama_path).save_pretrained(tmp_path / "moe")
+    with pytest.raises(ValueError, match="mixture-of-experts model .4 experts. is not supported"):
+        Engine.from_pretrained(str(tmp_path / "moe"), EngineConfig(device="cpu", tp=2))
     model = AutoModelForCausalLM.from_pretrained(tiny_llama_path)
     with pytest.raises(ValueError, match="from_pretrained"):
         Engine(model, None, EngineConfig(tp=2))

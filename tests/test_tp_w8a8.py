@@ -1,8 +1,8 @@
 """W8A8 with tensor parallelism over gloo on CPU: a `lmengine quantize w8a8` checkpoint served
-with tp=2 equals tp=1 token for token (logprobs within float summation noise); each rank
+with tp=2 equals tp=1 token for token (logprobs within 1e-5); each rank
 reads only its int8 rows (colwise, with their scales) or input columns (rowwise, scales
 whole) and holds about half the weight bytes; the row-parallel input is quantized with the
-per-token scale of the whole input."""
+per-token scale of the whole input and the int32 accumulators are summed (exact)."""
 
 from __future__ import annotations
 
@@ -86,7 +86,9 @@ def test_tp2_w8a8_equals_tp1(tiny_w8a8_path):
         for r1, r2 in zip(expected, got)
         for t, a, b in zip(r1.token_ids, r1.logprobs, r2.logprobs)
     ]
-    assert max(diffs) < 1e-4, max(diffs)
+    # int8 parts are exact (int32 sums); the float parts (attention, head) differ in the last
+    # bits, as with float tp (3e-6 on the float tiny model)
+    assert max(diffs) < 1e-5, max(diffs)
     full, _ = load_shard(tiny_w8a8_path, "float32", CPU, 0, 1, False)
     assert all(0.45 < b / weight_bytes(full) < 0.55 for b in per_rank), per_rank
 

@@ -187,11 +187,12 @@ class TPModelAgent(ModelAgent):
         """Configuration errors surface before any process starts."""
         from transformers import AutoConfig
 
-        from lmengine.distributed.load import check_tp
+        from lmengine.distributed.load import check_tp, check_tp_config
         from lmengine.models.model_info import ModelInfo
 
         config = AutoConfig.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
         check_tp(ModelInfo.from_hf(config), cfg.tp, device)
+        check_tp_config(config, cfg.tp)
 
     # ---- per step (engine loop thread) ---------------------------------------------------------
     @torch.inference_mode()

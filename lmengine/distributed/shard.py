@@ -17,7 +17,8 @@ tensor parallelism without code. Applied to the patched modules:
 - everything else (norms) is replicated.
 - w8a8 (`W8A8Linear`, int8 weights with a float32 scale per output row): colwise splits the
   int8 rows with their scales; rowwise splits the int8 input columns and keeps the scales
-  whole; the per-token input scale of a rowwise layer is the maximum over the ranks.
+  and bias whole; a rowwise layer takes its per-token input scale over all ranks and sums
+  the int32 accumulators (exact), so it computes what tp=1 does.
 
 `shard_model` only reshapes parameters (on the meta device) and records where each one's
 values come from; `CheckpointReader` then reads exactly those slices from the safetensors
@@ -310,8 +311,8 @@ def _shard_w8a8(
     """A w8a8 checkpoint stores a merged linear as one tensor (the patched model's names), so
     a part's rows are a range of it. colwise: the int8 rows, their scales and bias rows split
     per part; rowwise: the int8 input columns split, scales whole (per output channel), bias
-    on rank 0, and the per-token input scale taken over every rank's shard
-    (`RowParallelW8A8Linear`)."""
+    whole, the per-token input scale taken over every rank's shard and the int32 accumulators
+    summed before the epilogue (`RowParallelW8A8Linear`)."""
     from lmengine.distributed.w8a8 import RowParallelW8A8Linear
 
     names = module.source_names or [name.rpartition(".")[2]]
@@ -348,14 +349,10 @@ def _shard_w8a8(
     module.weight = _meta_buffer((module.out_features, b - a), module.weight)
     load[f"{name}.weight"] = [Piece(f"{name}.weight", 1, a, b)]
     load[f"{name}.weight_scale"] = [Piece(f"{name}.weight_scale", None)]
-    if module.bias is not None:
-        if rank == 0:  # NOTE: summed over ranks, so only one rank adds the bias
-            load[f"{name}.bias"] = [Piece(f"{name}.bias", None)]
-        else:
-            module.bias = None
+    if module.bias is not None:  # NOTE: added after the sum, by every rank
+        load[f"{name}.bias"] = [Piece(f"{name}.bias", None)]
     module.in_features = b - a
-    RowParallelW8A8Linear.convert(module)
-    _add_all_reduce(module)
+    RowParallelW8A8Linear.convert(module)  # it all-reduces its int32 accumulator itself
 
 
 class CheckpointReader:
