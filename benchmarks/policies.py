@@ -102,6 +102,7 @@ class Bench:
             max_batch_size=args.max_batch_size,
             eviction_type="swap",
             num_cpu_blocks=args.num_cpu_blocks,
+            num_threads=args.num_threads,
         )
         model = tiny_llama() if args.tiny else args.model
         self.engine = Engine.from_pretrained(model, cfg)
@@ -486,6 +487,9 @@ def main(argv: list[str] | None = None) -> int:
         help="a tiny random Llama instead of the model: same scheduling, cheaper steps",
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--num-threads", type=int, default=0, help="torch threads (0: all cores; 1 on a busy box)"
+    )
     p.add_argument("--quick", action="store_true", help="smoke test: small sizes, one run")
     p.add_argument("--json", default=None, help="also write the results here")
     p.add_argument("--plot", default=str(DOCS / "qos_shares.png"))

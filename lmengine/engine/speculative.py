@@ -31,6 +31,7 @@ from lmengine.engine.cache_engine import CacheEngine, CacheSpec
 from lmengine.engine.sampling import Sampler, SampleResult
 from lmengine.models.context import build_step_context, step_context
 from lmengine.scheduler.scheduler import ScheduledSequence, SchedulerOutput
+from lmengine.scheduler.sequence import TokenCounts
 
 
 @dataclass
@@ -167,7 +168,7 @@ class DraftModelProposer:
         return Drafts(tokens, [torch.stack(p) if p else None for p in probs])
 
 
-class _WithDrafts:
+class _WithDrafts(TokenCounts):
     """A sequence as the sampler sees it after `extra` drafted tokens were accepted."""
 
     __slots__ = ("seq_id", "gen_config", "token_ids", "num_prompt_tokens")
@@ -177,14 +178,6 @@ class _WithDrafts:
         self.gen_config = seq.gen_config
         self.token_ids = seq.token_ids + extra
         self.num_prompt_tokens = seq.num_prompt_tokens
-
-    @property
-    def num_generated_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
-
-    @property
-    def generated_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
 
 
 def _depends_on_history(seq) -> bool:

@@ -15,8 +15,28 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
+class TokenCounts:
+    """Counts over `token_ids` (prompt, then generated) and `num_prompt_tokens`; shared by
+    Sequence and the views the speculative verifier builds of it."""
+
+    token_ids: list[int]
+    num_prompt_tokens: int
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def generated_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+
 @dataclass(eq=False)
-class Sequence:
+class Sequence(TokenCounts):
     """Token state of one request. The scheduler owns it; the engine appends sampled tokens
     through `Scheduler.update`. `gen_config` is opaque here except `max_new_tokens`."""
 
@@ -44,17 +64,6 @@ class Sequence:
         if self.num_prompt_tokens < 0:
             self.num_prompt_tokens = len(self.token_ids)
 
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-    @property
-    def num_generated_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
-
-    @property
-    def generated_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
 
     @property
     def max_new_tokens(self) -> int:
