@@ -11,6 +11,7 @@ import itertools
 import torch
 
 from lmengine.config import EngineConfig
+from lmengine.engine.beam import split_beam_rows
 from lmengine.engine.cache_engine import CacheEngine, CacheSpec, derive_num_blocks
 from lmengine.engine.lora_pool import LoRAPool
 from lmengine.engine.sampling import Sampler, SampleResult
@@ -76,7 +77,9 @@ class ModelAgent:
 
     @torch.inference_mode()
     def forward(self, out: SchedulerOutput) -> dict[int, SampleResult]:
-        """Run one step. Returns `seq_id -> SampleResult` for sequences that sample."""
+        """Run one step. Returns `seq_id -> SampleResult` for sequences that sample; the
+        log-prob rows of beam-search sequences go to `self.beam_rows` instead."""
+        self.beam_rows: dict[int, torch.Tensor] = {}
         self.cache_engine.swap_in(out.blocks_to_swap_in)
         self.cache_engine.swap_out(out.blocks_to_swap_out)
         self.cache_engine.copy(out.blocks_to_copy)
@@ -88,6 +91,7 @@ class ModelAgent:
         with step_context(ctx):
             logits = self.model(input_ids)  # [num_samples, vocab]
         seqs = [it.seq for it in out.scheduled if it.needs_sample]
+        self.beam_rows, logits, seqs = split_beam_rows(logits, seqs, self.sampler)
         if not seqs:
             return {}
         results = self.sampler.sample(logits, seqs)

@@ -32,6 +32,11 @@ class Response:
     index: int = 0  # position of the prompt in a pipeline batch
     error: str | None = None  # message when finish_reason == "error"
     session_id: int | None = None
+    # beam search (num_beams > 1): the num_return_sequences best hypotheses, best first, and
+    # their scores (sum of logprobs / generated_len ** length_penalty, as transformers)
+    beam_token_ids: list[list[int]] | None = None
+    beam_scores: list[float] | None = None
+    beam_texts: list[str] | None = None
 
 
 @dataclass

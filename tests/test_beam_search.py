@@ -1,0 +1,230 @@
+"""Beam search against transformers `generate(num_beams=k)` (float32, token for token, every
+returned sequence), batched with normal requests, under preemption, and without block leaks."""
+
+from __future__ import annotations
+
+import functools
+import random
+import threading
+import time
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from lmengine import Engine, EngineConfig, GenerationConfig
+from lmengine.cli import build_parser, build_dataclass
+from tests.engine_utils import run_threads
+from tests.hf_reference import hf_greedy
+
+
+@functools.lru_cache(maxsize=2)
+def _hf(path: str):
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def hf_beam(path: str, ids: list[int], cfg: GenerationConfig) -> tuple[list[list[int]], list]:
+    """transformers' beam search: generated ids of the returned sequences (cut after their
+    end token; transformers pads shorter ones) and their scores."""
+    model = _hf(path)
+    eos = [] if cfg.ignore_eos else [model.generation_config.eos_token_id]
+    eos += list(cfg.stop_token_ids or [])
+    kwargs = dict(
+        max_new_tokens=cfg.max_new_tokens,
+        min_new_tokens=cfg.min_new_tokens or None,
+        num_beams=cfg.num_beams,
+        length_penalty=cfg.length_penalty,
+        early_stopping=cfg.early_stopping,
+        num_return_sequences=cfg.num_return_sequences,
+        repetition_penalty=cfg.repetition_penalty,
+        no_repeat_ngram_size=cfg.no_repeat_ngram_size,
+        eos_token_id=eos or None,
+        do_sample=False,
+    )
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            output_scores=True,
+            return_dict_in_generate=True,
+            **kwargs,
+        )
+    seqs = []
+    for row in out.sequences[:, len(ids) :].tolist():
+        cut = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
+        seqs.append(row[:cut])
+    return seqs, out.sequences_scores.tolist()
+
+
+def _prompt(rng: random.Random) -> list[int]:
+    return [rng.randrange(3, 2000) for _ in range(rng.randrange(3, 10))]
+
+
+def _frequent_token(path: str, ids: list[int], cfg: GenerationConfig) -> int:
+    """A token the beams produce early, to use as an extra end token: hypotheses then end
+    at different lengths, which exercises the finished-hypotheses logic."""
+    seqs, _ = hf_beam(path, ids, cfg)
+    return seqs[0][3]
+
+
+def _check(engine, path, ids, cfg, session_id=0):
+    ref, ref_scores = hf_beam(path, ids, cfg)
+    out = engine.create_instance().infer(session_id, ids, gen_config=cfg)
+    assert out.error is None
+    assert out.beam_token_ids == ref, (cfg, ids)
+    assert out.token_ids == ref[0]
+    assert out.beam_scores == pytest.approx(ref_scores, abs=1e-4)
+    assert out.finish_reason == ("stop" if len(ref[0]) < cfg.max_new_tokens else "length") or (
+        out.finish_reason == "stop" and ref[0][-1] in (cfg.stop_token_ids or [])
+    )
+    return out
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama_path):
+    cfg = EngineConfig(dtype="float32", block_size=4, num_gpu_blocks=256)
+    with Engine.from_pretrained(tiny_llama_path, cfg) as eng:
+        yield eng
+
+
+CASES = [
+    dict(num_beams=2, max_new_tokens=8),
+    dict(num_beams=4, max_new_tokens=10, length_penalty=0.5),
+    dict(num_beams=3, max_new_tokens=9, early_stopping=True, num_return_sequences=3),
+    dict(num_beams=3, max_new_tokens=9, early_stopping="never", length_penalty=2.0),
+    dict(num_beams=2, max_new_tokens=8, repetition_penalty=1.5, no_repeat_ngram_size=2),
+]
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_beam_matches_transformers(engine, tiny_llama_path, case):
+    rng = random.Random(case)
+    cfg = GenerationConfig(**CASES[case])
+    _check(engine, tiny_llama_path, _prompt(rng), cfg, session_id=case)
+    engine.check_integrity()
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        dict(),
+        dict(early_stopping=True),
+        dict(early_stopping="never", length_penalty=-1.0),
+        dict(min_new_tokens=4, length_penalty=0.0),  # the end token is banned where it came
+        dict(ignore_eos=True, length_penalty=0.0, num_beams=4),
+        dict(ignore_eos=True, length_penalty=1.5),  # long beams win: nothing ends early
+    ],
+)
+def test_beam_with_end_tokens_matches_transformers(engine, tiny_llama_path, extra):
+    """Hypotheses that end early (an end token among the candidates), every stopping rule."""
+    rng = random.Random(7)
+    ids = _prompt(rng)
+    base = dict(num_beams=3, max_new_tokens=10, num_return_sequences=3)
+    stop = _frequent_token(tiny_llama_path, ids, GenerationConfig(**base))
+    cfg = GenerationConfig(**{**base, **extra}, stop_token_ids=[stop])
+    out = _check(engine, tiny_llama_path, ids, cfg, session_id=100)
+    ended = [t[-1] == stop for t in out.beam_token_ids]
+    if "min_new_tokens" in extra:
+        assert all(len(t) >= 4 for t in out.beam_token_ids)
+    else:
+        assert any(ended) == (extra.get("length_penalty") != 1.5), ended
+    engine.check_integrity()
+
+
+@pytest.mark.parametrize("eviction_type", ["recompute", "swap"])
+def test_beam_batched_with_greedy_under_preemption(tiny_llama_path, eviction_type):
+    """Beam requests and greedy requests together in a pool too small for all: beams are
+    preempted (by recompute or swap) and forked; every output still equals transformers."""
+    rng = random.Random(3)
+    prompts = [_prompt(rng) + _prompt(rng) for _ in range(6)]
+    beam_cfgs = [
+        GenerationConfig(num_beams=3, max_new_tokens=10, num_return_sequences=2),
+        GenerationConfig(num_beams=2, max_new_tokens=12, length_penalty=0.7),
+        GenerationConfig(num_beams=4, max_new_tokens=8, early_stopping=True),
+    ]
+    greedy = GenerationConfig(max_new_tokens=12)
+    configs = [beam_cfgs[0], greedy, beam_cfgs[1], greedy, beam_cfgs[2], greedy]
+    cfg = EngineConfig(
+        dtype="float32",
+        block_size=4,
+        num_gpu_blocks=24,
+        num_cpu_blocks=64 if eviction_type == "swap" else 0,
+        eviction_type=eviction_type,
+    )
+    with Engine.from_pretrained(tiny_llama_path, cfg) as eng:
+        outs = run_threads(eng, prompts, configs)
+        stats = eng.stats()
+        eng.check_integrity()
+        forks = eng.call(lambda: eng.beam_search.num_forks)
+    assert stats["num_preemptions"] > 0
+    if eviction_type == "swap":
+        assert stats["num_swap_outs"] > 0
+    assert forks > 0
+    greedy_ref = hf_greedy(tiny_llama_path, [prompts[i] for i in (1, 3, 5)], 12)
+    for i, out in enumerate(outs):
+        assert out.error is None
+        if configs[i] is greedy:
+            assert out.token_ids == greedy_ref[i // 2]
+        else:
+            ref, _ = hf_beam(tiny_llama_path, prompts[i], configs[i])
+            assert out.beam_token_ids == ref, i
+
+
+def test_beam_cancel_errors_and_no_leaks(tiny_llama_path):
+    cfg = EngineConfig(dtype="float32", block_size=4, num_gpu_blocks=40)
+    with Engine.from_pretrained(tiny_llama_path, cfg) as eng:
+        inst = eng.create_instance()
+        # more blocks than the pool could ever give the group: a clear error, engine lives
+        big = GenerationConfig(num_beams=8, max_new_tokens=40)
+        out = inst.infer(1, [5, 6, 7], gen_config=big)
+        assert out.finish_reason == "error" and "num_beams=8" in out.error
+        # cancelled mid-way: its beams are freed
+        long = GenerationConfig(num_beams=3, max_new_tokens=30, ignore_eos=True)
+        results = []
+        t = threading.Thread(target=lambda: results.append(inst.infer(2, [9] * 5, gen_config=long)))
+        t.start()
+        time.sleep(0.3)
+        inst.cancel(2)
+        t.join(timeout=60)
+        assert results and results[0].finish_reason in ("cancel", "length")
+        eng.check_integrity()
+        assert eng.stats()["num_free_blocks"] == 40
+        # a beam request after all that still works
+        ok = inst.infer(3, [4, 5, 6, 7], gen_config=GenerationConfig(num_beams=2, max_new_tokens=5))
+        assert ok.finish_reason in ("stop", "length") and ok.token_ids
+        eng.check_integrity()
+
+
+def test_beam_config_validation():
+    with pytest.raises(ValueError, match="num_beams must be >= 1, got 0"):
+        GenerationConfig(num_beams=0)
+    with pytest.raises(ValueError, match="num_return_sequences \\(3\\) must be <= num_beams"):
+        GenerationConfig(num_beams=2, num_return_sequences=3)
+    with pytest.raises(ValueError, match="early_stopping must be True, False or 'never'"):
+        GenerationConfig(num_beams=2, early_stopping="sometimes")
+    with pytest.raises(ValueError, match="do_sample=True"):
+        GenerationConfig(num_beams=2, do_sample=True)
+    with pytest.raises(ValueError, match="stop_words"):
+        GenerationConfig(num_beams=2, stop_words=["x"])
+    assert GenerationConfig(num_beams=2, early_stopping="never").early_stopping == "never"
+    args = build_parser().parse_args(
+        ["generate", "hi", "--num-beams", "3", "--early-stopping", "true", "--length-penalty", "0.5"]
+    )
+    gen = build_dataclass(GenerationConfig, args)
+    assert (gen.num_beams, gen.early_stopping, gen.length_penalty) == (3, True, 0.5)
+
+
+def test_beam_smollm2_matches_transformers(smollm2_path):
+    from lmengine.api import pipeline
+
+    cfg = GenerationConfig(num_beams=3, max_new_tokens=8, num_return_sequences=2)
+    with pipeline(smollm2_path, EngineConfig(dtype="float32", num_gpu_blocks=64)) as pipe:
+        ids = pipe.encode("What is the capital of France?")
+        out = pipe(ids, gen_config=cfg)
+        ref, _ = hf_beam(smollm2_path, ids, cfg)
+        assert out.beam_token_ids == ref
+        assert out.text == pipe.tokenizer.decode(ref[0], skip_special_tokens=True)
+        assert out.beam_texts[1] == pipe.tokenizer.decode(ref[1], skip_special_tokens=True)
+        deltas = list(pipe.stream_infer([ids], gen_config=cfg))
+        assert len(deltas) == 1 and deltas[0].token_ids == ref[0]
+        pipe.engine.check_integrity()
