@@ -3,57 +3,16 @@ returned sequence), batched with normal requests, under preemption, and without 
 
 from __future__ import annotations
 
-import functools
 import random
 import threading
 import time
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
 
 from lmengine import Engine, EngineConfig, GenerationConfig
-from lmengine.cli import build_parser, build_dataclass
+from lmengine.cli import build_dataclass, build_parser
 from tests.engine_utils import run_threads
-from tests.hf_reference import hf_greedy
-
-
-@functools.lru_cache(maxsize=2)
-def _hf(path: str):
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-
-
-def hf_beam(path: str, ids: list[int], cfg: GenerationConfig) -> tuple[list[list[int]], list]:
-    """transformers' beam search: generated ids of the returned sequences (cut after their
-    end token; transformers pads shorter ones) and their scores."""
-    model = _hf(path)
-    eos = [] if cfg.ignore_eos else [model.generation_config.eos_token_id]
-    eos += list(cfg.stop_token_ids or [])
-    kwargs = dict(
-        max_new_tokens=cfg.max_new_tokens,
-        min_new_tokens=cfg.min_new_tokens or None,
-        num_beams=cfg.num_beams,
-        length_penalty=cfg.length_penalty,
-        early_stopping=cfg.early_stopping,
-        num_return_sequences=cfg.num_return_sequences,
-        repetition_penalty=cfg.repetition_penalty,
-        no_repeat_ngram_size=cfg.no_repeat_ngram_size,
-        eos_token_id=eos or None,
-        do_sample=False,
-    )
-    with torch.inference_mode():
-        out = model.generate(
-            torch.tensor([ids]),
-            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-            output_scores=True,
-            return_dict_in_generate=True,
-            **kwargs,
-        )
-    seqs = []
-    for row in out.sequences[:, len(ids) :].tolist():
-        cut = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
-        seqs.append(row[:cut])
-    return seqs, out.sequences_scores.tolist()
+from tests.hf_reference import hf_beam, hf_greedy
 
 
 def _prompt(rng: random.Random) -> list[int]:
@@ -193,6 +152,7 @@ def test_beam_cancel_errors_and_no_leaks(tiny_llama_path):
         ok = inst.infer(3, [4, 5, 6, 7], gen_config=GenerationConfig(num_beams=2, max_new_tokens=5))
         assert ok.finish_reason in ("stop", "length") and ok.token_ids
         eng.check_integrity()
+        assert eng.call(lambda: (eng.beam_search.groups, eng.beam_search.group_of)) == ({}, {})
 
 
 def test_beam_config_validation():
@@ -208,7 +168,16 @@ def test_beam_config_validation():
         GenerationConfig(num_beams=2, stop_words=["x"])
     assert GenerationConfig(num_beams=2, early_stopping="never").early_stopping == "never"
     args = build_parser().parse_args(
-        ["generate", "hi", "--num-beams", "3", "--early-stopping", "true", "--length-penalty", "0.5"]
+        [
+            "generate",
+            "hi",
+            "--num-beams",
+            "3",
+            "--early-stopping",
+            "true",
+            "--length-penalty",
+            "0.5",
+        ]
     )
     gen = build_dataclass(GenerationConfig, args)
     assert (gen.num_beams, gen.early_stopping, gen.length_penalty) == (3, True, 0.5)

@@ -200,6 +200,7 @@ class BeamSearch:
         self.seq_ids = seq_ids
         self.tokenizer = tokenizer
         self.groups: dict[int, BeamGroup] = {}  # session_id -> group
+        self.group_of: dict[int, BeamGroup] = {}  # seq_id of a running beam -> its group
         self._copies: list[tuple[int, int, Sequence]] = []  # (src, dst, child) for next step
         self.num_forks = 0
         self.num_cow_copies = 0
@@ -209,7 +210,7 @@ class BeamSearch:
         eos = list(cfg.stop_token_ids or [])
         if not cfg.ignore_eos:
             eos = [*self.eos_token_ids, *eos]
-        self.groups[seq.session_id] = BeamGroup(
+        self.group_of[seq.seq_id] = self.groups[seq.session_id] = BeamGroup(
             session_id=seq.session_id,
             beams=[seq],
             eos_token_ids=list(dict.fromkeys(eos)),
@@ -227,6 +228,7 @@ class BeamSearch:
             return []
         for seq in group.beams:
             self.scheduler.abort_sequence(seq)
+            self.group_of.pop(seq.seq_id, None)
         return group.beams
 
     def best_running(self, session_id: int) -> Sequence | None:
@@ -260,7 +262,8 @@ class BeamSearch:
             return done
         touched = {}
         for seq_id, row in beam_rows.items():
-            for group in self._groups_of(seq_id):
+            group = self.group_of.get(seq_id)
+            if group is not None:
                 group.rows[seq_id] = row
                 touched[group.session_id] = group
         for group in touched.values():
@@ -272,10 +275,6 @@ class BeamSearch:
                     self._advance(group, parents, tokens)
         self._unblock_swapped()
         return done
-
-    def _groups_of(self, seq_id: int) -> list[BeamGroup]:
-        # NOTE: linear in the live beam requests; called once per beam row per step
-        return [g for g in self.groups.values() if any(s.seq_id == seq_id for s in g.beams)]
 
     def _advance(self, group: BeamGroup, parents: list[int], tokens: list[int]) -> None:
         """Make the k selected (parent, token) pairs the running beams: first child of a
@@ -296,10 +295,13 @@ class BeamSearch:
         for seq in old:
             if seq.seq_id not in owners:
                 self.scheduler.abort_sequence(seq)
+                del self.group_of[seq.seq_id]
         for j, seq in enumerate(new_beams):
             if seq is parent_seqs[j]:  # an owner: continues in place
                 seq.token_ids.append(tokens[j])
         group.beams = new_beams
+        for seq in new_beams:
+            self.group_of[seq.seq_id] = group
 
     def _fork(self, parent: Sequence, token: int) -> Sequence:
         """A new beam continuing `parent` with `token` (not yet computed)."""
