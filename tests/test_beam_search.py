@@ -197,3 +197,40 @@ def test_beam_smollm2_matches_transformers(smollm2_path):
         deltas = list(pipe.stream_infer([ids], gen_config=cfg))
         assert len(deltas) == 1 and deltas[0].token_ids == ref[0]
         pipe.engine.check_integrity()
+
+
+def test_fork_shares_full_blocks_and_copies_the_partial_one():
+    """Scheduler-level, no model: after the prompt's round the k beams hold the prompt's full
+    blocks by reference, each its own copy of the partial last block (emitted as
+    blocks_to_copy of the next step), and freeing them all leaves the pool whole."""
+    import torch
+
+    from lmengine.engine.beam import BeamSearch
+    from lmengine.scheduler import BlockManager, Scheduler, Sequence, get_policy
+
+    sched = Scheduler(BlockManager(32, 0, 4), get_policy("fcfs"), 8, 64)
+    cfg = GenerationConfig(num_beams=3, max_new_tokens=5)
+    seq = Sequence(0, 0, list(range(10, 20)), cfg)  # 10 tokens: 2 full blocks + 2 tokens
+    beams = BeamSearch(sched, [2], iter(range(1, 100)), None)
+    sched.add_sequence(seq)
+    beams.add(seq, session_len=100)
+    out = sched.schedule()
+    sched.update(out, {})
+    row = torch.full((50,), -10.0)
+    row[[30, 31, 32]] = torch.tensor([-0.1, -0.2, -0.3])  # three continuations of beam 0
+    assert beams.after_step({seq.seq_id: row}) == []
+    group = beams.groups[0]
+    assert [s.token_ids[-1] for s in group.beams] == [30, 31, 32]
+    assert group.beams[0] is seq  # the first child continues in place
+    shared = seq.block_table[:2]
+    assert all(sched.block_manager.device.ref_counts[b] == 3 for b in shared)
+    partials = [s.block_table[2] for s in group.beams]
+    assert len(set(partials)) == 3
+    sched.check_integrity()
+    out = sched.schedule()
+    beams.before_forward(out)
+    assert sorted(out.blocks_to_copy) == sorted((seq.block_table[2], b) for b in partials[1:])
+    assert [it.start_pos for it in out.scheduled] == [10, 10, 10]
+    beams.abort(0)
+    sched.check_integrity()
+    assert sched.block_manager.num_free_blocks == 32

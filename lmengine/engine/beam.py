@@ -202,8 +202,9 @@ class BeamSearch:
         self.groups: dict[int, BeamGroup] = {}  # session_id -> group
         self.group_of: dict[int, BeamGroup] = {}  # seq_id of a running beam -> its group
         self._copies: list[tuple[int, int, Sequence]] = []  # (src, dst, child) for next step
-        self.num_forks = 0
-        self.num_cow_copies = 0
+        self.num_forks = 0  # beams forked from another beam
+        self.num_shared_blocks = 0  # full blocks a fork took by reference instead of a copy
+        self.num_cow_copies = 0  # partial last blocks copied for a fork
 
     def add(self, seq: Sequence, session_len: int) -> None:
         cfg = seq.gen_config
@@ -331,6 +332,7 @@ class BeamSearch:
             if adapters is None or adapters.acquire(child):
                 for block_id in parent.block_table[:num_full]:
                     bm.device.acquire(block_id)
+                self.num_shared_blocks += num_full
                 child.block_table = parent.block_table[:num_full]
                 child.block_keys = parent.block_keys[:num_full]
                 if partial:
