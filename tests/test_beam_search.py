@@ -234,3 +234,18 @@ def test_fork_shares_full_blocks_and_copies_the_partial_one():
     beams.abort(0)
     sched.check_integrity()
     assert sched.block_manager.num_free_blocks == 32
+
+
+def test_generate_command_with_beams(tiny_llama_path, tmp_path):
+    from tests.test_cli import run_cli
+
+    out = tmp_path / "out.jsonl"
+    res = run_cli(
+        "generate", "a prompt", "--model", tiny_llama_path, "--num-gpu-blocks", "64",
+        "--max-new-tokens", "5", "--num-beams", "3", "--num-return-sequences", "2",
+        "--early-stopping", "never", "--jsonl", str(out),
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    (record,) = [__import__("json").loads(line) for line in out.read_text().splitlines()]
+    assert len(record["beams"]) == 2 and record["beams"][0]["token_ids"] == record["token_ids"]
+    assert record["beams"][0]["score"] >= record["beams"][1]["score"]
