@@ -52,6 +52,7 @@ CASES = [
     dict(num_beams=3, max_new_tokens=9, early_stopping=True, num_return_sequences=3),
     dict(num_beams=3, max_new_tokens=9, early_stopping="never", length_penalty=2.0),
     dict(num_beams=2, max_new_tokens=8, repetition_penalty=1.5, no_repeat_ngram_size=2),
+    dict(num_beams=3, max_new_tokens=1, num_return_sequences=3),  # done in the prompt's round
 ]
 
 
@@ -90,8 +91,10 @@ def test_beam_with_end_tokens_matches_transformers(engine, tiny_llama_path, extr
     engine.check_integrity()
 
 
-@pytest.mark.parametrize("eviction_type", ["recompute", "swap"])
-def test_beam_batched_with_greedy_under_preemption(tiny_llama_path, eviction_type):
+@pytest.mark.parametrize(
+    "eviction_type,prefix_caching", [("recompute", False), ("swap", False), ("recompute", True)]
+)
+def test_beam_batched_with_greedy_under_preemption(tiny_llama_path, eviction_type, prefix_caching):
     """Beam requests and greedy requests together in a pool too small for all: beams are
     preempted (by recompute or swap) and forked; every output still equals transformers."""
     rng = random.Random(3)
@@ -109,6 +112,7 @@ def test_beam_batched_with_greedy_under_preemption(tiny_llama_path, eviction_typ
         num_gpu_blocks=24,
         num_cpu_blocks=64 if eviction_type == "swap" else 0,
         eviction_type=eviction_type,
+        enable_prefix_caching=prefix_caching,
     )
     with Engine.from_pretrained(tiny_llama_path, cfg) as eng:
         outs = run_threads(eng, prompts, configs)
