@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -29,26 +28,14 @@ from lmengine.engine.engine import Engine
 PROMPTS = Path(__file__).resolve().parent.parent / "examples" / "prompts.txt"
 
 
-def peak_blocks(engine: Engine, stop: threading.Event, out: list[int]) -> None:
-    """Poll the engine's free block count; `out[0]` becomes the peak number in use."""
-    total = engine.stats()["num_total_blocks"]
-    while not stop.is_set():
-        out[0] = max(out[0], total - engine.stats()["num_free_blocks"])
-        time.sleep(0.02)
-
-
 def run_lmengine(engine: Engine, prompts: list[list[int]], gen: GenerationConfig) -> dict:
     pipe = Pipeline(engine)
     bs = engine.engine_config.block_size
     before = engine.call(lambda: vars(engine.beam_search).copy())
-    stop, peak = threading.Event(), [0]
-    poller = threading.Thread(target=peak_blocks, args=(engine, stop, peak))
-    poller.start()
+    engine.call(lambda: setattr(engine.beam_search, "peak_blocks_in_use", 0))
     t0 = time.perf_counter()
     outs = pipe(prompts, gen_config=gen)
     dt = time.perf_counter() - t0
-    stop.set()
-    poller.join()
     engine.check_integrity()
     after = engine.call(lambda: vars(engine.beam_search).copy())
     # unshared: every beam holds all of its blocks, prompt included
@@ -60,7 +47,7 @@ def run_lmengine(engine: Engine, prompts: list[list[int]], gen: GenerationConfig
         "forks": after["num_forks"] - before["num_forks"],
         "shared": after["num_shared_blocks"] - before["num_shared_blocks"],
         "copied": after["num_cow_copies"] - before["num_cow_copies"],
-        "peak_blocks": peak[0],
+        "peak_blocks": after["peak_blocks_in_use"],
         "unshared_blocks": unshared,
     }
 

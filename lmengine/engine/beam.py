@@ -205,6 +205,7 @@ class BeamSearch:
         self.num_forks = 0  # beams forked from another beam
         self.num_shared_blocks = 0  # full blocks a fork took by reference instead of a copy
         self.num_cow_copies = 0  # partial last blocks copied for a fork
+        self.peak_blocks_in_use = 0  # device blocks in use (all requests) after a beam round
 
     def add(self, seq: Sequence, session_len: int) -> None:
         cfg = seq.gen_config
@@ -275,6 +276,8 @@ class BeamSearch:
                 else:
                     self._advance(group, parents, tokens)
         self._unblock_swapped()
+        device = self.scheduler.block_manager.device
+        self.peak_blocks_in_use = max(self.peak_blocks_in_use, device.num_blocks - device.num_free)
         return done
 
     def _advance(self, group: BeamGroup, parents: list[int], tokens: list[int]) -> None:
