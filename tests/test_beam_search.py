@@ -253,3 +253,15 @@ def test_generate_command_with_beams(tiny_llama_path, tmp_path):
     (record,) = [__import__("json").loads(line) for line in out.read_text().splitlines()]
     assert len(record["beams"]) == 2 and record["beams"][0]["token_ids"] == record["token_ids"]
     assert record["beams"][0]["score"] >= record["beams"][1]["score"]
+
+
+@pytest.mark.slow
+def test_beam_with_tensor_parallelism(tiny_llama_path):
+    """tp=2: the fork copies reach every rank through the step's blocks_to_copy."""
+    cfg = GenerationConfig(num_beams=3, max_new_tokens=8, num_return_sequences=2)
+    ids = [17, 410, 93, 1200, 7, 8]
+    engine_cfg = EngineConfig(tp=2, device="cpu", dtype="float32", block_size=4, num_gpu_blocks=64)
+    with Engine.from_pretrained(tiny_llama_path, engine_cfg) as eng:
+        out = eng.create_instance().infer(1, ids, gen_config=cfg)
+        eng.check_integrity()
+    assert out.beam_token_ids == hf_beam(tiny_llama_path, ids, cfg)[0]
