@@ -119,6 +119,10 @@ class BeamGroup:
         k = self.num_beams
         log_probs = torch.stack([self.rows[s.seq_id] for s in self.beams])  # [beams, vocab]
         self.rows = {}
+        dev = log_probs.device
+        if self.running_scores.device != dev:  # the state lives where the logits are
+            for name in ("running_scores", "hyp_scores", "hyp_done", "improvable"):
+                setattr(self, name, getattr(self, name).to(dev))
         vocab = log_probs.shape[-1]
         log_probs = log_probs.expand(k, vocab) if log_probs.shape[0] == 1 else log_probs
         scores = (log_probs + self.running_scores[0, :, None]).reshape(1, -1)  # [1, k * vocab]
@@ -128,13 +132,14 @@ class BeamGroup:
         if self.cur_len + 1 >= self.max_length:
             ends = torch.ones_like(tokens, dtype=torch.bool)
         else:
-            ends = torch.isin(tokens, torch.tensor(self.eos_token_ids, dtype=tokens.dtype))
+            eos = torch.tensor(self.eos_token_ids, dtype=tokens.dtype, device=dev)
+            ends = torch.isin(tokens, eos)
         # the k best continuations that do not end run on
         running = top_scores + ends.to(torch.float32) * _NEG
         next_ids = torch.topk(running, k=k)[1]  # [1, k]
         self.running_scores = torch.take_along_dim(running, next_ids, dim=1)
         # candidates among the first k that end become hypotheses if they rank
-        is_top = torch.arange(num_keep)[None, :] < k
+        is_top = torch.arange(num_keep, device=dev)[None, :] < k
         just_done = ends & is_top
         cand = top_scores / ((self.cur_len + 1 - self.prompt_len) ** self.length_penalty)
         full = torch.all(self.hyp_done, dim=-1, keepdim=True) & (self.early_stopping is True)
