@@ -59,7 +59,9 @@ def split_beam_rows(
     return by_seq, logits[keep], [seqs[i] for i in keep]
 
 
-def validate_beam_request(req: AddRequest, num_blocks: int, block_size: int, session_len: int):
+def validate_beam_request(
+    req: AddRequest, num_blocks: int, block_size: int, session_len: int
+) -> None:
     """Refuse a beam request whose k beams could not fit the KV pool side by side (the group
     could then wait for itself forever); RequestError names the numbers."""
     cfg = req.gen_config
