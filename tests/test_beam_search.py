@@ -141,6 +141,9 @@ def test_beam_cancel_errors_and_no_leaks(tiny_llama_path):
         big = GenerationConfig(num_beams=8, max_new_tokens=40)
         out = inst.infer(1, [5, 6, 7], gen_config=big)
         assert out.finish_reason == "error" and "num_beams=8" in out.error
+        wide = GenerationConfig(num_beams=eng.engine_config.max_batch_size + 1, max_new_tokens=1)
+        out = inst.infer(1, [5, 6, 7], gen_config=wide)
+        assert out.finish_reason == "error" and "max_batch_size" in out.error
         # cancelled mid-way: its beams are freed
         long = GenerationConfig(num_beams=3, max_new_tokens=30, ignore_eos=True)
         results = []

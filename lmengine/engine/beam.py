@@ -60,13 +60,17 @@ def split_beam_rows(
 
 
 def validate_beam_request(
-    req: AddRequest, num_blocks: int, block_size: int, session_len: int
+    req: AddRequest, num_blocks: int, block_size: int, session_len: int, max_batch_size: int
 ) -> None:
-    """Refuse a beam request whose k beams could not fit the KV pool side by side (the group
-    could then wait for itself forever); RequestError names the numbers."""
+    """Refuse a beam request whose k beams could not run side by side, in the batch or in the
+    KV pool (the group could then wait for itself forever); RequestError names the numbers."""
     cfg = req.gen_config
     if cfg.num_beams == 1:
         return
+    if cfg.num_beams > max_batch_size:
+        raise RequestError(
+            f"num_beams={cfg.num_beams} is more than max_batch_size={max_batch_size}"
+        )
     max_len = min(len(req.input_ids) + cfg.max_new_tokens, session_len)
     need = cfg.num_beams * -(-max_len // block_size)
     if need > num_blocks:

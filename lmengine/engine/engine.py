@@ -345,6 +345,7 @@ class Engine:
             self.scheduler.block_manager.device.num_blocks,
             self.engine_config.block_size,
             self.session_len,
+            self.engine_config.max_batch_size,
         )
         if self._qos is not None:
             try:
