@@ -52,7 +52,13 @@ def run_lmengine(engine: Engine, prompts: list[list[int]], gen: GenerationConfig
     }
 
 
-def run_hf(model, tokenizer, prompts: list[list[int]], gen: GenerationConfig, batched: bool):
+def run_hf(engine, model, prompts: list[list[int]], gen: GenerationConfig, batched: bool):
+    """transformers on the engine's loop thread (between steps, the engine idle): a second
+    thread running torch ops would own a second OpenMP pool and slow both (see bench.py)."""
+    return engine.call(lambda: _run_hf(model, engine.tokenizer, prompts, gen, batched), None)
+
+
+def _run_hf(model, tokenizer, prompts: list[list[int]], gen: GenerationConfig, batched: bool):
     kwargs = dict(
         max_new_tokens=gen.max_new_tokens,
         min_new_tokens=gen.max_new_tokens,  # EOS ignored, as on the lmengine side
@@ -97,8 +103,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         pipe = Pipeline(engine)
         prompts = [pipe.encode(lines[i % len(lines)]) for i in range(args.num_prompts)]
-        model = AutoModelForCausalLM.from_pretrained(engine.model_path, dtype=torch.float32)
-        model.eval()
+        model = engine.call(
+            lambda: AutoModelForCausalLM.from_pretrained(engine.model_path, dtype=torch.float32),
+            None,
+        ).eval()
         print(f"# {' '.join(sys.argv)}")
         print(
             "| k | lmengine s | lmengine out tok/s | HF one-by-one s | HF batched s | "
@@ -114,10 +122,8 @@ def main(argv: list[str] | None = None) -> int:
             )
             pipe(prompts[:1], gen_config=GenerationConfig(max_new_tokens=2))  # warm up
             ours = run_lmengine(engine, prompts, gen)
-            hf = run_hf(model, engine.tokenizer, prompts, gen, batched=False)
-            hf_b = (
-                None if args.no_hf_batched else run_hf(model, engine.tokenizer, prompts, gen, True)
-            )
+            hf = run_hf(engine, model, prompts, gen, batched=False)
+            hf_b = None if args.no_hf_batched else run_hf(engine, model, prompts, gen, True)
             best_hf = min(hf["seconds"], hf_b["seconds"] if hf_b else float("inf"))
             equal = sum(a == b for a, b in zip(ours["tokens"], hf["tokens"]))
             print(
