@@ -268,3 +268,13 @@ def test_beam_with_tensor_parallelism(tiny_llama_path):
         out = eng.create_instance().infer(1, ids, gen_config=cfg)
         eng.check_integrity()
     assert out.beam_token_ids == hf_beam(tiny_llama_path, ids, cfg)[0]
+
+
+def test_beam_refused_with_speculative_decoding(tiny_llama_path):
+    cfg = EngineConfig(dtype="float32", block_size=4, num_gpu_blocks=64, speculative="ngram")
+    with Engine.from_pretrained(tiny_llama_path, cfg) as eng:
+        inst = eng.create_instance()
+        out = inst.infer(1, [5, 6, 7], gen_config=GenerationConfig(num_beams=2, max_new_tokens=4))
+        assert out.finish_reason == "error" and "speculative" in out.error
+        assert inst.infer(2, [5, 6, 7], gen_config=GenerationConfig(max_new_tokens=4)).token_ids
+        eng.check_integrity()

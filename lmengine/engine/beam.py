@@ -60,13 +60,22 @@ def split_beam_rows(
 
 
 def validate_beam_request(
-    req: AddRequest, num_blocks: int, block_size: int, session_len: int, max_batch_size: int
+    req: AddRequest,
+    num_blocks: int,
+    block_size: int,
+    session_len: int,
+    max_batch_size: int,
+    is_speculative: bool = False,
 ) -> None:
     """Refuse a beam request whose k beams could not run side by side, in the batch or in the
     KV pool (the group could then wait for itself forever); RequestError names the numbers."""
     cfg = req.gen_config
     if cfg.num_beams == 1:
         return
+    if is_speculative:
+        raise RequestError(
+            f"num_beams={cfg.num_beams}: beam search is not supported with speculative decoding"
+        )
     if cfg.num_beams > max_batch_size:
         raise RequestError(
             f"num_beams={cfg.num_beams} is more than max_batch_size={max_batch_size}"

@@ -32,6 +32,9 @@ class Response:
     index: int = 0  # position of the prompt in a pipeline batch
     error: str | None = None  # message when finish_reason == "error"
     session_id: int | None = None
+    # speculative decoding: tokens drafted for this request so far, and how many were kept
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
     # beam search (num_beams > 1): the num_return_sequences best hypotheses, best first, and
     # their scores (sum of logprobs / generated_len ** length_penalty, as transformers)
     beam_token_ids: list[list[int]] | None = None
