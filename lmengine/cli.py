@@ -134,6 +134,15 @@ def cmd_generate(args) -> int:
                 "generate_token_len": out.generate_token_len,
                 "error": out.error,
             }
+            if out.beam_token_ids is not None:  # beam search: the num_return_sequences best
+                record["beams"] = [
+                    {"text": text, "token_ids": ids, "score": score}
+                    for text, ids, score in zip(
+                        out.beam_texts or [None] * len(out.beam_token_ids),
+                        out.beam_token_ids,
+                        out.beam_scores,
+                    )
+                ]
             if out.logprobs is not None:
                 record["logprobs"] = [{str(k): v for k, v in d.items()} for d in out.logprobs]
             sink.write(json.dumps(record, ensure_ascii=False) + "\n")

@@ -13,6 +13,7 @@ DEVICES = ("auto", "cuda", "cpu")
 EVICTION_TYPES = ("recompute", "swap")
 QUANT_POLICIES = (None, "w8a8")
 SPECULATIVE_METHODS = ("ngram", "draft_model")
+_EARLY_STOP = {"true": True, "false": False, "never": "never"}  # GenerationConfig.early_stopping
 
 
 def _check_range(name: str, value, low=None, high=None, *, low_open: bool = False) -> None:
@@ -198,6 +199,10 @@ class GenerationConfig:
     random_seed: int | None = None
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    num_beams: int = 1  # beam search width; 1 = greedy or sampling (see README: beam search)
+    length_penalty: float = 1.0  # beam search: a finished beam scores logprob / length**this
+    early_stopping: str | bool = False  # beam search: True, False or "never" (as transformers)
+    num_return_sequences: int = 1  # beam search: best beams returned, <= num_beams
 
     def __post_init__(self) -> None:
         _check_int("max_new_tokens", self.max_new_tokens, 1)
@@ -232,3 +237,33 @@ class GenerationConfig:
             _check_int("logprobs", self.logprobs, 0)
             if self.logprobs > 20:
                 raise ValueError(f"logprobs must be <= 20, got {self.logprobs!r}")
+        self._check_beam_search()
+
+    def _check_beam_search(self) -> None:
+        _check_int("num_beams", self.num_beams, 1)
+        _check_range("length_penalty", self.length_penalty)
+        if isinstance(self.early_stopping, str) and self.early_stopping.lower() in _EARLY_STOP:
+            self.early_stopping = _EARLY_STOP[self.early_stopping.lower()]  # CLI strings
+        if not (isinstance(self.early_stopping, bool) or self.early_stopping == "never"):
+            raise ValueError(
+                f"early_stopping must be True, False or 'never', got {self.early_stopping!r}"
+            )
+        _check_int("num_return_sequences", self.num_return_sequences, 1)
+        if self.num_return_sequences > self.num_beams:
+            raise ValueError(
+                f"num_return_sequences ({self.num_return_sequences}) must be <= num_beams "
+                f"({self.num_beams})"
+            )
+        if self.num_beams == 1:
+            return
+        unsupported = {
+            "do_sample": self.do_sample,
+            "stop_words": bool(self.stop_words),
+            "logprobs": self.logprobs is not None,
+        }
+        for name, is_set in unsupported.items():
+            if is_set:
+                raise ValueError(
+                    f"num_beams={self.num_beams}: beam search does not support {name}="
+                    f"{getattr(self, name)!r} (use num_beams=1 for it)"
+                )

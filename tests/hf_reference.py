@@ -25,3 +25,36 @@ def hf_greedy(path: str, prompts: list[list[int]], max_new_tokens: int, ignore_e
             out = model.generate(torch.tensor([ids]), attention_mask=None, **kwargs)
             outs.append(out[0, len(ids) :].tolist())
     return outs
+
+
+def hf_beam(path: str, ids: list[int], cfg) -> tuple[list[list[int]], list]:
+    """transformers' beam search: generated ids of the returned sequences (cut after their
+    end token; transformers pads shorter ones) and their scores."""
+    model = _load(path)
+    eos = [] if cfg.ignore_eos else [model.generation_config.eos_token_id]
+    eos += list(cfg.stop_token_ids or [])
+    kwargs = dict(
+        max_new_tokens=cfg.max_new_tokens,
+        min_new_tokens=cfg.min_new_tokens or None,
+        num_beams=cfg.num_beams,
+        length_penalty=cfg.length_penalty,
+        early_stopping=cfg.early_stopping,
+        num_return_sequences=cfg.num_return_sequences,
+        repetition_penalty=cfg.repetition_penalty,
+        no_repeat_ngram_size=cfg.no_repeat_ngram_size,
+        eos_token_id=eos or None,
+        do_sample=False,
+    )
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            output_scores=True,
+            return_dict_in_generate=True,
+            **kwargs,
+        )
+    seqs = []
+    for row in out.sequences[:, len(ids) :].tolist():
+        cut = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
+        seqs.append(row[:cut])
+    return seqs, out.sequences_scores.tolist()

@@ -431,3 +431,24 @@ def test_openapi_schema_fuzz_finds_no_5xx(server):
     m = wait_idle(server, timeout=60)
     assert m["lmengine_kv_blocks_used"] == 0
     assert httpx.get(server + "/health").status_code == 200
+
+
+def test_beam_search_through_the_server(server, client, model, tiny_llama_path):
+    from lmengine import GenerationConfig
+    from tests.hf_reference import hf_beam
+
+    ids = [17, 410, 93, 1200, 7]
+    beam = {"num_beams": 3, "length_penalty": 0.5, "early_stopping": "never"}
+    r = client.completions.create(model=model, prompt=ids, max_tokens=6, extra_body=beam)
+    ref, _ = hf_beam(tiny_llama_path, ids, GenerationConfig(max_new_tokens=6, **beam))
+    tok = __import__("transformers").AutoTokenizer.from_pretrained(tiny_llama_path)
+    assert r.choices[0].text == tok.decode(ref[0], skip_special_tokens=True)
+    assert r.usage.completion_tokens == len(ref[0])
+    for bad, param in (({"n": 2}, "n"), ({"stop": "x"}, None), ({"logprobs": 2}, None)):
+        resp = httpx.post(
+            server + "/v1/completions",
+            json={"prompt": ids, "max_tokens": 4, **beam, **bad},
+            headers={"Authorization": f"Bearer {API_KEY}"},
+        )
+        assert resp.status_code == 400, resp.text
+        assert error_of(resp)["param"] == param

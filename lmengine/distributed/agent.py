@@ -35,6 +35,7 @@ from lmengine.distributed.worker import (
     set_cpu_threads,
     worker_command,
 )
+from lmengine.engine.beam import split_beam_rows
 from lmengine.engine.model_agent import ModelAgent
 from lmengine.engine.sampling import Sampler, SampleResult
 from lmengine.scheduler.scheduler import SchedulerOutput
@@ -197,6 +198,7 @@ class TPModelAgent(ModelAgent):
     # ---- per step (engine loop thread) ---------------------------------------------------------
     @torch.inference_mode()
     def forward(self, out: SchedulerOutput) -> dict[int, SampleResult]:
+        self.beam_rows: dict[int, torch.Tensor] = {}  # beam search rows (see ModelAgent)
         has_swaps = out.blocks_to_swap_in or out.blocks_to_swap_out or out.blocks_to_copy
         if out.is_empty and not has_swaps and not needs_broadcast(out.adapter_plan):
             return {}
@@ -212,6 +214,9 @@ class TPModelAgent(ModelAgent):
             raise TPWorkerError(f"tensor-parallel communication failed: {e}") from e
         seqs = [it.seq for it in out.scheduled if it.needs_sample]
         if not seqs or logits is None:
+            return {}
+        self.beam_rows, logits, seqs = split_beam_rows(logits, seqs, self.sampler)
+        if not seqs:
             return {}
         results = self.sampler.sample(logits, seqs)
         return {seq.seq_id: res for seq, res in zip(seqs, results)}

@@ -89,9 +89,12 @@ class CacheEngine:
             return
         src_ids = torch.tensor([p[0] for p in pairs])
         dst_ids = torch.tensor([p[1] for p in pairs])
-        for (src_k, src_v), (dst_k, dst_v) in zip(src_caches, dst_caches):
-            dst_k[dst_ids.to(dst_k.device)] = src_k[src_ids.to(src_k.device)].to(dst_k.device)
-            dst_v[dst_ids.to(dst_v.device)] = src_v[src_ids.to(src_v.device)].to(dst_v.device)
+        # NOTE: index_copy_, not `dst[ids] = ...`: on CPU that index_put took ~10 ms per
+        # tensor of a 20k-block pool whatever the number of blocks moved (index_copy_: 0.02 ms)
+        for src_kv, dst_kv in zip(src_caches, dst_caches):
+            for src, dst in zip(src_kv, dst_kv):  # K, then V
+                moved = src.index_select(0, src_ids.to(src.device)).to(dst.device)
+                dst.index_copy_(0, dst_ids.to(dst.device), moved)
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
         """Copy host blocks to device blocks: pairs of (host_id, device_id)."""

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from lmengine.config import EngineConfig, GenerationConfig
+from lmengine.engine.beam import BeamSearch, validate_beam_request
 from lmengine.engine.detokenize import IncrementalDetokenizer
 from lmengine.engine.loader import load_model_and_tokenizer
 from lmengine.engine.lora_pool import DEFAULT_MAX_LORA_RANK
@@ -175,6 +176,9 @@ class Engine:
         self._states: dict[int, _RequestState] = {}  # session_id -> running request
         self._seq_ids = itertools.count()
         self._session_ids = itertools.count(1 << 48)  # auto ids, far from user-chosen ones
+        self.beam_search = BeamSearch(
+            self.scheduler, self.info.eos_token_ids, self._seq_ids, self.tokenizer
+        )
 
     def _run(self, loader: Callable[[], tuple]) -> None:
         try:
@@ -346,6 +350,14 @@ class Engine:
             isinstance(req.priority, bool) or not isinstance(req.priority, int)
         ):
             raise RequestError(f"priority must be an integer or None, got {req.priority!r}")
+        validate_beam_request(
+            req,
+            self.scheduler.block_manager.device.num_blocks,
+            self.engine_config.block_size,
+            self.session_len,
+            self.engine_config.max_batch_size,
+            self.engine_config.speculative is not None,
+        )
         if self._qos is not None:
             try:
                 self._qos.tenant(req.user_id)
@@ -410,11 +422,15 @@ class Engine:
             req, seq, detok, logprobs, "" if detok else None
         )
         self.scheduler.add_sequence(seq)
+        if req.gen_config.num_beams > 1:
+            self.beam_search.add(seq, self.session_len)
 
     def _finish_session(self, session_id: int, reason: str) -> None:
         state = self._states.pop(session_id, None)
         if state is None:
             return
+        state.seq = self.beam_search.best_running(session_id) or state.seq
+        self.beam_search.abort(session_id)
         self.scheduler.abort_sequence(state.seq)
         self.model_agent.release(state.seq.seq_id)
         resp = state.response(list(state.seq.generated_token_ids), reason)
@@ -422,6 +438,7 @@ class Engine:
 
     def step(self) -> SchedulerOutput:
         out = self.scheduler.schedule()
+        self.beam_search.before_forward(out)
         results = self.model_agent.forward(out)
         new_tokens: dict[int, list[int]] = {}
         finished: list[Sequence] = []
@@ -450,6 +467,14 @@ class Engine:
                 del self._states[item.seq.session_id]
                 self.model_agent.release(item.seq.seq_id)
         self.scheduler.update(out, new_tokens, finished)
+        for session_id, group in self.beam_search.after_step(self.model_agent.beam_rows):
+            state = self._states.pop(session_id)
+            cfg = state.req.gen_config
+            self.beam_search.abort(session_id)
+            resp = self.beam_search.response(
+                group, cfg.skip_special_tokens, cfg.num_return_sequences
+            )
+            published.append((state.req, resp))
         self.request_manager.publish_many(published)
         return out
 

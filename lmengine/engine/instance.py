@@ -24,7 +24,8 @@ class EngineInstance:
     ) -> Iterator[Response]:
         """Yield a Response after every generated token; the last has a finish_reason.
 
-        Closing the iterator early cancels the request.
+        Closing the iterator early cancels the request. A beam-search request (`num_beams > 1`)
+        yields its final Response only: its beams have no stable prefix to stream.
         """
         responses = new_queue()
         req = AddRequest(

@@ -11,6 +11,7 @@ import itertools
 import torch
 
 from lmengine.config import EngineConfig
+from lmengine.engine.beam import split_beam_rows
 from lmengine.engine.cache_engine import CacheEngine, CacheSpec, free_memory_bytes
 from lmengine.engine.lora_pool import LoRAPool
 from lmengine.engine.sampling import Sampler, SampleResult
@@ -113,7 +114,9 @@ class ModelAgent:
     @torch.inference_mode()
     def forward(self, out: SchedulerOutput) -> dict[int, SampleResult | list[SampleResult]]:
         """Run one step. Returns `seq_id -> SampleResult` for sequences that sample; with
-        speculative decoding, `seq_id -> [SampleResult, ...]`: accepted drafts, then one more."""
+        speculative decoding, `seq_id -> [SampleResult, ...]`: accepted drafts, then one more.
+        The log-prob rows of beam-search sequences go to `self.beam_rows` instead."""
+        self.beam_rows: dict[int, torch.Tensor] = {}
         self.cache_engine.swap_in(out.blocks_to_swap_in)
         self.cache_engine.swap_out(out.blocks_to_swap_out)
         self.cache_engine.copy(out.blocks_to_copy)
@@ -130,6 +133,7 @@ class ModelAgent:
         if drafts is not None:
             return self.verifier.verify(logits, out.scheduled, drafts)
         seqs = [it.seq for it in out.scheduled if it.needs_sample]
+        self.beam_rows, logits, seqs = split_beam_rows(logits, seqs, self.sampler)
         if not seqs:
             return {}
         results = self.sampler.sample(logits, seqs)

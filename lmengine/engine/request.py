@@ -35,6 +35,11 @@ class Response:
     # speculative decoding: tokens drafted for this request so far, and how many were kept
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    # beam search (num_beams > 1): the num_return_sequences best hypotheses, best first, and
+    # their scores (sum of logprobs / generated_len ** length_penalty, as transformers)
+    beam_token_ids: list[list[int]] | None = None
+    beam_scores: list[float] | None = None
+    beam_texts: list[str] | None = None
 
 
 @dataclass

@@ -84,6 +84,15 @@ def _gen_configs(
             f"max_tokens={max_tokens} exceeds the model's context length of {session_len} tokens",
             param="max_tokens",
         )
+    beam = {}
+    if body.num_beams > 1:  # NOTE: one beam search per choice would repeat the same search
+        if body.n > 1:
+            raise APIError(400, "num_beams > 1 needs n == 1", param="n")
+        beam = dict(
+            num_beams=body.num_beams,
+            length_penalty=body.length_penalty,
+            early_stopping=body.early_stopping,
+        )
     configs = []
     for _ in range(num_prompts):
         for j in range(body.n):
@@ -94,7 +103,7 @@ def _gen_configs(
                 cfg = GenerationConfig(
                     max_new_tokens=max_tokens or session_len,
                     min_new_tokens=body.min_tokens,
-                    do_sample=body.temperature > 0,
+                    do_sample=body.temperature > 0 and not beam,
                     temperature=body.temperature if body.temperature > 0 else 1.0,
                     top_k=max(body.top_k, 0),
                     top_p=body.top_p,
@@ -107,6 +116,7 @@ def _gen_configs(
                     random_seed=seed,
                     logprobs=logprobs,
                     skip_special_tokens=body.skip_special_tokens,
+                    **beam,
                 )
             except ValueError as e:
                 raise APIError(400, str(e)) from None

@@ -48,6 +48,10 @@ class _SamplingFields(BaseModel):
     skip_special_tokens: bool = True
     priority: int | None = Field(None, ge=-(2**31), le=2**31 - 1)
     user_id: str | None = Field(None, max_length=256)  # the QoS user; default: `user`
+    # beam search (n must be 1; the choice is the best beam; temperature is not used)
+    num_beams: int = Field(1, ge=1, le=MAX_CHOICES)
+    length_penalty: float = Field(1.0, ge=-100.0, le=100.0)
+    early_stopping: bool | Literal["never"] = False
 
 
 class CompletionRequest(_SamplingFields):
