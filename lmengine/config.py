@@ -12,6 +12,7 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 DEVICES = ("auto", "cuda", "cpu")
 EVICTION_TYPES = ("recompute", "swap")
 QUANT_POLICIES = (None, "w8a8")
+KV_CACHE_DTYPES = ("auto", "int8")
 
 
 def _check_range(name: str, value, low=None, high=None, *, low_open: bool = False) -> None:
@@ -63,6 +64,7 @@ class EngineConfig:
     max_lora_rank: int = 0  # 0 = the largest rank among `adapters` (16 when there are none)
     quant_policy: str | None = None  # "w8a8": int8 weights+activations (float ckpt: no smoothing)
     enable_prefix_caching: bool = False
+    kv_cache_dtype: str = "auto"  # "auto": K/V in the model dtype; "int8": int8 + per-token scales
     num_threads: int = 0  # CPU: torch intra-op threads; 0 = all cores
     trust_remote_code: bool = False
     # extra MODULE_MAP entries (HF qualified class name -> patched class), e.g. from user code
@@ -89,6 +91,7 @@ class EngineConfig:
         _check_int("max_lora_slots", self.max_lora_slots, 1)
         _check_choice("quant_policy", self.quant_policy, QUANT_POLICIES)
         _check_int("num_threads", self.num_threads, 0)
+        _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         if self.adapters is not None and not (
             isinstance(self.adapters, dict)
             and all(isinstance(k, str) and k for k in self.adapters)

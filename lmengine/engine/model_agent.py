@@ -39,14 +39,21 @@ class ModelAgent:
         self.device = device
         self.block_size = engine_config.block_size
         dtype = next(model.parameters()).dtype
-        spec = CacheSpec(info.num_layers, info.num_kv_heads, info.head_dim, self.block_size, dtype)
+        spec = CacheSpec(
+            info.num_layers,
+            info.num_kv_heads,
+            info.head_dim,
+            self.block_size,
+            dtype,
+            engine_config.kv_cache_dtype,
+        )
         num_gpu_blocks = engine_config.num_gpu_blocks or derive_num_blocks(
             spec, device, engine_config.cache_max_entry_count
         )
         if num_gpu_blocks < 1:
             raise ValueError("no memory left for even one KV block: lower the model size")
         self.cache_engine = CacheEngine(spec, num_gpu_blocks, engine_config.num_cpu_blocks, device)
-        self.kv_token_bytes = spec.block_bytes // (spec.num_layers * spec.block_size)
+        self.kv_token_bytes = spec.gather_token_bytes
         self.sampler = Sampler(info.eos_token_ids, device)
         self.lora = LoRAPool(self.model, device)  # no tensors until an adapter is added
 

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -28,51 +29,35 @@ inline float dot(const float* __restrict a, const float* __restrict b, int64_t n
   return s;
 }
 
-}  // namespace
+inline float dot_i8(const float* __restrict a, const int8_t* __restrict b, int64_t n) {
+  float s = 0.f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < n; ++i) s += a[i] * static_cast<float>(b[i]);
+  return s;
+}
 
-// Decode attention straight from the paged cache: one query token per sequence, no gather.
-//   q:            [num_seqs, num_heads, head_dim]
-//   k/v_cache:    [num_blocks, block_size, num_kv_heads, head_dim]
-//   block_tables: [num_seqs, max_blocks] int32
-//   kv_lens:      [num_seqs] int32, keys visible to the sequence's query (its own included)
-//   sliding_window: > 0 limits the query to its last `sliding_window` keys (0 = all)
-//   softcap:        > 0 caps the scaled scores as softcap * tanh(score / softcap) (Gemma 2)
-// Returns [num_seqs, num_heads, head_dim]. The query heads of one KV head (GQA group) are
-// served together, so each key and value row is read once per group. Softmax is online
-// (running max and sum per head), one block at a time.
-at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
-                                  const at::Tensor& v_cache, const at::Tensor& block_tables,
-                                  const at::Tensor& kv_lens, double scale,
-                                  int64_t sliding_window, double softcap) {
-  check_cpu_f32(q, "q");
-  check_cpu_f32(k_cache, "k_cache");
-  check_cpu_f32(v_cache, "v_cache");
-  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous(),
-              "block_tables must be contiguous int32");
-  TORCH_CHECK(kv_lens.scalar_type() == at::kInt && kv_lens.is_contiguous(),
-              "kv_lens must be contiguous int32");
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
-              "bad shapes");
-  const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
-  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == head_dim, "head_dim of q and cache differ");
-  TORCH_CHECK(num_heads % num_kv_heads == 0, "heads not a multiple of KV heads");
-  TORCH_CHECK(block_tables.size(0) == num_seqs && kv_lens.size(0) == num_seqs,
-              "one block table and kv_len per sequence");
+void check_int8_cache(const at::Tensor& cache, const at::Tensor& scale, const char* name) {
+  TORCH_CHECK(cache.device().is_cpu() && cache.scalar_type() == at::kChar && cache.is_contiguous(),
+              name, " must be a contiguous int8 CPU tensor");
+  TORCH_CHECK(scale.device().is_cpu() && scale.scalar_type() == at::kFloat &&
+                  scale.is_contiguous() && scale.dim() == 3 && scale.size(0) == cache.size(0) &&
+                  scale.size(1) == cache.size(1) && scale.size(2) == cache.size(2),
+              name, " scales must be contiguous float32 [num_blocks, block_size, num_kv_heads]");
+}
+
+// The decode loop, for a float32 cache (Cache = float, no scales) or an int8 cache (Cache =
+// int8_t, one float32 scale per (slot, KV head) in k_scale / v_scale). The int8 variant folds
+// the key scale into the score and the value scale into the probability, so each int8 row is
+// read once and never written back as floats.
+template <typename Cache>
+void decode_loop(const float* q_ptr, const Cache* k_ptr, const Cache* v_ptr, const float* ks_ptr,
+                 const float* vs_ptr, const int32_t* table_ptr, const int32_t* len_ptr,
+                 float* out_ptr, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                 int64_t head_dim, int64_t block_size, int64_t max_blocks, float fscale,
+                 float fcap, int64_t sliding_window) {
+  constexpr bool kQuant = std::is_same<Cache, int8_t>::value;
   const int64_t group = num_heads / num_kv_heads;
-  const int64_t max_blocks = block_tables.size(1);
   const int64_t token_stride = num_kv_heads * head_dim;  // between tokens of one block
-  auto out = at::empty_like(q);
-  const float* q_ptr = q.data_ptr<float>();
-  const float* k_ptr = k_cache.data_ptr<float>();
-  const float* v_ptr = v_cache.data_ptr<float>();
-  const int32_t* table_ptr = block_tables.data_ptr<int32_t>();
-  const int32_t* len_ptr = kv_lens.data_ptr<int32_t>();
-  float* out_ptr = out.data_ptr<float>();
-  const float fscale = static_cast<float>(scale);
-  const float fcap = static_cast<float>(softcap);
-  TORCH_CHECK(sliding_window >= 0 && softcap >= 0, "sliding_window and softcap must be >= 0");
-
   at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(group * block_size);
     std::vector<float> acc(group * head_dim);
@@ -91,15 +76,20 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
         const int64_t block_id = table_ptr[seq * max_blocks + blk];
         const int64_t first = std::max<int64_t>(first_key - blk * block_size, 0);
         const int64_t num_keys = std::min(block_size, kv_len - blk * block_size) - first;
-        const int64_t base = ((block_id * block_size + first) * num_kv_heads + kv_head) * head_dim;
-        const float* k_block = k_ptr + base;
-        const float* v_block = v_ptr + base;
+        const int64_t row = (block_id * block_size + first) * num_kv_heads + kv_head;
+        const Cache* k_block = k_ptr + row * head_dim;
+        const Cache* v_block = v_ptr + row * head_dim;
         for (int64_t g = 0; g < group; ++g) {
           const float* qg = q_group + g * head_dim;
           float* sg = scores.data() + g * block_size;
           float block_max = -std::numeric_limits<float>::infinity();
           for (int64_t t = 0; t < num_keys; ++t) {
-            sg[t] = dot(qg, k_block + t * token_stride, head_dim) * fscale;
+            if constexpr (kQuant) {
+              sg[t] = dot_i8(qg, k_block + t * token_stride, head_dim) *
+                      (ks_ptr[row + t * num_kv_heads] * fscale);
+            } else {
+              sg[t] = dot(qg, k_block + t * token_stride, head_dim) * fscale;
+            }
             if (fcap > 0.f) sg[t] = fcap * std::tanh(sg[t] / fcap);
             block_max = std::max(block_max, sg[t]);
           }
@@ -114,10 +104,16 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 #pragma omp simd
           for (int64_t i = 0; i < head_dim; ++i) ag[i] *= correction;
           for (int64_t t = 0; t < num_keys; ++t) {
-            const float p = sg[t];
-            const float* vt = v_block + t * token_stride;
+            const Cache* vt = v_block + t * token_stride;
+            if constexpr (kQuant) {
+              const float p = sg[t] * vs_ptr[row + t * num_kv_heads];
 #pragma omp simd
-            for (int64_t i = 0; i < head_dim; ++i) ag[i] += p * vt[i];
+              for (int64_t i = 0; i < head_dim; ++i) ag[i] += p * static_cast<float>(vt[i]);
+            } else {
+              const float p = sg[t];
+#pragma omp simd
+              for (int64_t i = 0; i < head_dim; ++i) ag[i] += p * vt[i];
+            }
           }
           run_sum[g] = run_sum[g] * correction + block_sum;
           run_max[g] = new_max;
@@ -131,6 +127,70 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
       }
     }
   });
+}
+
+void check_decode_inputs(const at::Tensor& q, const at::Tensor& k_cache,
+                         const at::Tensor& v_cache, const at::Tensor& block_tables,
+                         const at::Tensor& kv_lens, int64_t sliding_window, double softcap) {
+  check_cpu_f32(q, "q");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous(),
+              "block_tables must be contiguous int32");
+  TORCH_CHECK(kv_lens.scalar_type() == at::kInt && kv_lens.is_contiguous(),
+              "kv_lens must be contiguous int32");
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
+              "bad shapes");
+  TORCH_CHECK(k_cache.size(3) == q.size(2), "head_dim of q and cache differ");
+  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "heads not a multiple of KV heads");
+  TORCH_CHECK(block_tables.size(0) == q.size(0) && kv_lens.size(0) == q.size(0),
+              "one block table and kv_len per sequence");
+  TORCH_CHECK(sliding_window >= 0 && softcap >= 0, "sliding_window and softcap must be >= 0");
+}
+
+}  // namespace
+
+// Decode attention straight from the paged cache: one query token per sequence, no gather.
+//   q:            [num_seqs, num_heads, head_dim]
+//   k/v_cache:    [num_blocks, block_size, num_kv_heads, head_dim]
+//   block_tables: [num_seqs, max_blocks] int32
+//   kv_lens:      [num_seqs] int32, keys visible to the sequence's query (its own included)
+//   sliding_window: > 0 limits the query to its last `sliding_window` keys (0 = all)
+//   softcap:        > 0 caps the scaled scores as softcap * tanh(score / softcap) (Gemma 2)
+// Returns [num_seqs, num_heads, head_dim]. The query heads of one KV head (GQA group) are
+// served together, so each key and value row is read once per group. Softmax is online
+// (running max and sum per head), one block at a time.
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                                  const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                  const at::Tensor& kv_lens, double scale,
+                                  int64_t sliding_window, double softcap) {
+  check_cpu_f32(k_cache, "k_cache");
+  check_cpu_f32(v_cache, "v_cache");
+  check_decode_inputs(q, k_cache, v_cache, block_tables, kv_lens, sliding_window, softcap);
+  auto out = at::empty_like(q);
+  decode_loop<float>(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
+                     nullptr, nullptr, block_tables.data_ptr<int32_t>(),
+                     kv_lens.data_ptr<int32_t>(), out.data_ptr<float>(), q.size(0), q.size(1),
+                     k_cache.size(2), q.size(2), k_cache.size(1), block_tables.size(1),
+                     static_cast<float>(scale), static_cast<float>(softcap), sliding_window);
+  return out;
+}
+
+// The same over an int8 cache: k/v_cache int8, k/v_scale [num_blocks, block_size,
+// num_kv_heads] float32 (value = int8 * scale, lmengine/kernels/kv_quant.py).
+at::Tensor paged_decode_attention_int8(const at::Tensor& q, const at::Tensor& k_cache,
+                                       const at::Tensor& v_cache, const at::Tensor& k_scale,
+                                       const at::Tensor& v_scale, const at::Tensor& block_tables,
+                                       const at::Tensor& kv_lens, double scale,
+                                       int64_t sliding_window, double softcap) {
+  check_int8_cache(k_cache, k_scale, "k_cache");
+  check_int8_cache(v_cache, v_scale, "v_cache");
+  check_decode_inputs(q, k_cache, v_cache, block_tables, kv_lens, sliding_window, softcap);
+  auto out = at::empty_like(q);
+  decode_loop<int8_t>(q.data_ptr<float>(), k_cache.data_ptr<int8_t>(),
+                      v_cache.data_ptr<int8_t>(), k_scale.data_ptr<float>(),
+                      v_scale.data_ptr<float>(), block_tables.data_ptr<int32_t>(),
+                      kv_lens.data_ptr<int32_t>(), out.data_ptr<float>(), q.size(0), q.size(1),
+                      k_cache.size(2), q.size(2), k_cache.size(1), block_tables.size(1),
+                      static_cast<float>(scale), static_cast<float>(softcap), sliding_window);
   return out;
 }
 
@@ -139,4 +199,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "decode attention over the paged KV cache (float32, CPU)", py::arg("q"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("kv_lens"),
         py::arg("scale"), py::arg("sliding_window") = 0, py::arg("softcap") = 0.0);
+  m.def("paged_decode_attention_int8", &paged_decode_attention_int8,
+        "decode attention over the paged int8 KV cache (float32 queries, CPU)", py::arg("q"),
+        py::arg("k_cache"), py::arg("v_cache"), py::arg("k_scale"), py::arg("v_scale"),
+        py::arg("block_tables"), py::arg("kv_lens"), py::arg("scale"),
+        py::arg("sliding_window") = 0, py::arg("softcap") = 0.0);
 }
