@@ -127,7 +127,11 @@ def _check(
     cache_dtype = torch.int8 if k_scale is not None else k.dtype
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         if t.dtype != cache_dtype:
-            raise ValueError(f"{op}: {name} dtype {t.dtype} must be {cache_dtype}")
+            raise ValueError(
+                f"{op}: {name} dtype {t.dtype} differs from k dtype {k.dtype}"
+                if k_scale is None
+                else f"{op}: {name} must be int8 with k_scale/v_scale, got {t.dtype}"
+            )
     if k_scale is not None:
         for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
             if t is None or t.dtype != torch.float32 or t.shape != k_cache.shape[:3]:

@@ -200,8 +200,12 @@ def _check(
         raise ValueError(f"{op}: q must be float16, bfloat16 or float32, got {q.dtype}")
     cache_dtype = torch.int8 if k_scale is not None else q.dtype
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.dtype != (q.dtype if name == "q" else cache_dtype):
-            raise ValueError(f"{op}: {name} dtype {t.dtype} must be {cache_dtype}")
+        if name != "q" and t.dtype != cache_dtype:
+            raise ValueError(
+                f"{op}: {name} dtype {t.dtype} differs from q dtype {q.dtype}"
+                if k_scale is None
+                else f"{op}: {name} must be int8 with k_scale/v_scale, got {t.dtype}"
+            )
         if t.stride(-1) != 1:
             raise ValueError(f"{op}: {name} must have a contiguous last dimension")
         if t.device != q.device:
