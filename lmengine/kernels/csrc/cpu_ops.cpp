@@ -29,13 +29,6 @@ inline float dot(const float* __restrict a, const float* __restrict b, int64_t n
   return s;
 }
 
-inline float dot_i8(const float* __restrict a, const int8_t* __restrict b, int64_t n) {
-  float s = 0.f;
-#pragma omp simd reduction(+ : s)
-  for (int64_t i = 0; i < n; ++i) s += a[i] * static_cast<float>(b[i]);
-  return s;
-}
-
 void check_int8_cache(const at::Tensor& cache, const at::Tensor& scale, const char* name) {
   TORCH_CHECK(cache.device().is_cpu() && cache.scalar_type() == at::kChar && cache.is_contiguous(),
               name, " must be a contiguous int8 CPU tensor");
@@ -46,9 +39,10 @@ void check_int8_cache(const at::Tensor& cache, const at::Tensor& scale, const ch
 }
 
 // The decode loop, for a float32 cache (Cache = float, no scales) or an int8 cache (Cache =
-// int8_t, one float32 scale per (slot, KV head) in k_scale / v_scale). The int8 variant folds
-// the key scale into the score and the value scale into the probability, so each int8 row is
-// read once and never written back as floats.
+// int8_t, one float32 scale per (slot, KV head) in k_scale / v_scale). The int8 variant
+// dequantizes each block's K and V rows of one KV head once into a small float buffer (it stays
+// in L1) and then runs the float32 loop on it, so the GQA group's query heads share the
+// conversion; the float32 variant reads the cache directly.
 template <typename Cache>
 void decode_loop(const float* q_ptr, const Cache* k_ptr, const Cache* v_ptr, const float* ks_ptr,
                  const float* vs_ptr, const int32_t* table_ptr, const int32_t* len_ptr,
@@ -62,6 +56,8 @@ void decode_loop(const float* q_ptr, const Cache* k_ptr, const Cache* v_ptr, con
     std::vector<float> scores(group * block_size);
     std::vector<float> acc(group * head_dim);
     std::vector<float> run_max(group), run_sum(group);
+    std::vector<float> k_buf(kQuant ? block_size * head_dim : 0);
+    std::vector<float> v_buf(kQuant ? block_size * head_dim : 0);
     for (int64_t job = begin; job < end; ++job) {
       const int64_t seq = job / num_kv_heads, kv_head = job % num_kv_heads;
       const int64_t kv_len = len_ptr[seq];
@@ -77,19 +73,37 @@ void decode_loop(const float* q_ptr, const Cache* k_ptr, const Cache* v_ptr, con
         const int64_t first = std::max<int64_t>(first_key - blk * block_size, 0);
         const int64_t num_keys = std::min(block_size, kv_len - blk * block_size) - first;
         const int64_t row = (block_id * block_size + first) * num_kv_heads + kv_head;
-        const Cache* k_block = k_ptr + row * head_dim;
-        const Cache* v_block = v_ptr + row * head_dim;
+        const float* k_block;
+        const float* v_block;
+        int64_t stride;  // between the keys of k_block / v_block
+        if constexpr (kQuant) {
+          for (int64_t t = 0; t < num_keys; ++t) {
+            const int64_t r = row + t * num_kv_heads;  // (slot, KV head) row
+            const int8_t* kt = k_ptr + r * head_dim;
+            const int8_t* vt = v_ptr + r * head_dim;
+            const float ks = ks_ptr[r], vs = vs_ptr[r];
+            float* kd = k_buf.data() + t * head_dim;
+            float* vd = v_buf.data() + t * head_dim;
+#pragma omp simd
+            for (int64_t i = 0; i < head_dim; ++i) {
+              kd[i] = static_cast<float>(kt[i]) * ks;
+              vd[i] = static_cast<float>(vt[i]) * vs;
+            }
+          }
+          k_block = k_buf.data();
+          v_block = v_buf.data();
+          stride = head_dim;
+        } else {
+          k_block = k_ptr + row * head_dim;
+          v_block = v_ptr + row * head_dim;
+          stride = token_stride;
+        }
         for (int64_t g = 0; g < group; ++g) {
           const float* qg = q_group + g * head_dim;
           float* sg = scores.data() + g * block_size;
           float block_max = -std::numeric_limits<float>::infinity();
           for (int64_t t = 0; t < num_keys; ++t) {
-            if constexpr (kQuant) {
-              sg[t] = dot_i8(qg, k_block + t * token_stride, head_dim) *
-                      (ks_ptr[row + t * num_kv_heads] * fscale);
-            } else {
-              sg[t] = dot(qg, k_block + t * token_stride, head_dim) * fscale;
-            }
+            sg[t] = dot(qg, k_block + t * stride, head_dim) * fscale;
             if (fcap > 0.f) sg[t] = fcap * std::tanh(sg[t] / fcap);
             block_max = std::max(block_max, sg[t]);
           }
@@ -104,16 +118,10 @@ void decode_loop(const float* q_ptr, const Cache* k_ptr, const Cache* v_ptr, con
 #pragma omp simd
           for (int64_t i = 0; i < head_dim; ++i) ag[i] *= correction;
           for (int64_t t = 0; t < num_keys; ++t) {
-            const Cache* vt = v_block + t * token_stride;
-            if constexpr (kQuant) {
-              const float p = sg[t] * vs_ptr[row + t * num_kv_heads];
+            const float p = sg[t];
+            const float* vt = v_block + t * stride;
 #pragma omp simd
-              for (int64_t i = 0; i < head_dim; ++i) ag[i] += p * static_cast<float>(vt[i]);
-            } else {
-              const float p = sg[t];
-#pragma omp simd
-              for (int64_t i = 0; i < head_dim; ++i) ag[i] += p * vt[i];
-            }
+            for (int64_t i = 0; i < head_dim; ++i) ag[i] += p * vt[i];
           }
           run_sum[g] = run_sum[g] * correction + block_sum;
           run_max[g] = new_max;
