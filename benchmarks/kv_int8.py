@@ -11,13 +11,16 @@ Then:
   each with EOS ignored, all submitted at once: the peak batch the scheduler ran, the
   preemptions it needed, and generated tokens per second;
 - perplexity on the committed held-out text (lmengine/quant/data/heldout.txt), `--windows`
-  windows of 128 tokens, through each cache.
+  windows of 128 tokens, through each cache;
+- the compiled CPU decode-attention kernel alone, float32 and int8 cache, interleaved: 32
+  sequences of `--kernel-context` keys with the model's head shapes.
 """
 
 from __future__ import annotations
 
 import argparse
 import random
+import statistics
 import sys
 import time
 
@@ -95,6 +98,39 @@ def run_mode(model: str | None, kv: str, args) -> dict:
     }
 
 
+def kernel_ms(model: str | None, context: int, repeat: int) -> dict[str, float]:
+    """Median ms of the compiled decode kernel over a float32 and an int8 cache."""
+    from transformers import AutoConfig
+
+    from lmengine.kernels import cpu_ext
+    from lmengine.kernels.kv_quant import quantize_kv_ref
+
+    ext = cpu_ext.load()
+    if ext is None:
+        return {}
+    info = ModelInfo.from_hf(AutoConfig.from_pretrained(resolve_model_path(model)))
+    seqs, bs = 32, 16
+    kv, heads, d = info.num_kv_heads, info.num_attention_heads, info.head_dim
+    blocks = seqs * (-(-context // bs))
+    gen = torch.Generator().manual_seed(0)
+    kc, vc = (torch.randn(blocks, bs, kv, d, generator=gen) for _ in range(2))
+    (kq, ks), (vq, vs) = quantize_kv_ref(kc), quantize_kv_ref(vc)
+    q = torch.randn(seqs, heads, d, generator=gen)
+    tables = torch.randperm(blocks, generator=gen).view(seqs, -1).int().contiguous()
+    lens = torch.full((seqs,), context, dtype=torch.int32)
+    calls = {
+        "float32": lambda: ext.paged_decode_attention(q, kc, vc, tables, lens, d**-0.5),
+        "int8": lambda: ext.paged_decode_attention_int8(q, kq, vq, ks, vs, tables, lens, d**-0.5),
+    }
+    times: dict[str, list[float]] = {k: [] for k in calls}
+    for _ in range(repeat):
+        for name, fn in calls.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {k: 1e3 * statistics.median(v) for k, v in times.items()}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="benchmarks/kv_int8.py", description=__doc__)
     p.add_argument("--model", default=None, help="model folder (default: SmolLM2-135M)")
@@ -103,11 +139,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--windows", type=int, default=8, help="perplexity windows of 128 tokens")
+    p.add_argument("--kernel-context", type=int, default=1024)
+    p.add_argument("--kernel-repeat", type=int, default=30)
     p.add_argument("--quick", action="store_true", help="small sizes: a smoke test")
     args = p.parse_args(argv)
     if args.quick:
         args.kv_mib, args.num_requests, args.windows = 12, 12, 2
         args.prompt_len, args.max_new_tokens = 16, 16
+        args.kernel_context, args.kernel_repeat = 256, 5
     print(f"# {' '.join(sys.argv)}")
     res = {kv: run_mode(args.model, kv, args) for kv in ("auto", "int8")}
     print(
@@ -130,6 +169,14 @@ def main(argv: list[str] | None = None) -> int:
         f"{100 * (b['ppl'] / a['ppl'] - 1):+.2f} % |",
         flush=True,
     )
+    ms = kernel_ms(args.model, args.kernel_context, args.kernel_repeat)
+    if ms:
+        print(
+            f"\ncompiled decode kernel, 32 sequences x {args.kernel_context} keys: float32 "
+            f"{ms['float32']:.2f} ms, int8 {ms['int8']:.2f} ms "
+            f"(int8/float32 {ms['int8'] / ms['float32']:.2f}x)",
+            flush=True,
+        )
     return 0
 
 
