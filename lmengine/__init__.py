@@ -16,6 +16,7 @@ _EXPORTS = {
     "GenerationConfig": "lmengine.config",
     "Pipeline": "lmengine.api",
     "Response": "lmengine.engine.request",
+    "SpeculativeConfig": "lmengine.config",
     "pipeline": "lmengine.api",
 }
 

@@ -13,6 +13,7 @@ DEVICES = ("auto", "cuda", "cpu")
 EVICTION_TYPES = ("recompute", "swap")
 QUANT_POLICIES = (None, "w8a8")
 KV_CACHE_DTYPES = ("auto", "int8")
+SPECULATIVE_METHODS = ("ngram", "draft_model")
 
 
 def _check_range(name: str, value, low=None, high=None, *, low_open: bool = False) -> None:
@@ -35,6 +36,67 @@ def _check_int(name: str, value, low: int | None = None) -> None:
 def _check_choice(name: str, value, choices) -> None:
     if value not in choices:
         raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding: a cheap proposer drafts up to `num_speculative_tokens` tokens per
+    decoding sequence, and the model checks them all in one forward (see engine/speculative.py).
+
+    `method="ngram"` drafts by prompt lookup: the tokens that followed the latest earlier
+    occurrence of the sequence's last n tokens (n from `prompt_lookup_max` down to
+    `prompt_lookup_min`). `method="draft_model"` runs `draft_model`, a smaller checkpoint with
+    the same vocabulary (the target's own path works too), over its own paged KV cache.
+    """
+
+    method: str = "ngram"  # "ngram" (prompt lookup, no extra model) or "draft_model"
+    num_speculative_tokens: int = 4  # tokens drafted per sequence per step
+    draft_model: str | None = None  # folder of the draft checkpoint (method "draft_model")
+    prompt_lookup_min: int = 1  # shortest n-gram matched (method "ngram")
+    prompt_lookup_max: int = 3  # longest n-gram matched (method "ngram")
+
+    def __post_init__(self) -> None:
+        _check_choice("speculative.method", self.method, SPECULATIVE_METHODS)
+        _check_int("speculative.num_speculative_tokens", self.num_speculative_tokens, 1)
+        _check_int("speculative.prompt_lookup_min", self.prompt_lookup_min, 1)
+        _check_int("speculative.prompt_lookup_max", self.prompt_lookup_max, 1)
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"speculative.prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
+                f"prompt_lookup_max ({self.prompt_lookup_max})"
+            )
+        if self.method == "draft_model" and not isinstance(self.draft_model, str):
+            raise ValueError(
+                "speculative.draft_model must name the draft checkpoint when method is "
+                f"'draft_model', got {self.draft_model!r}"
+            )
+
+    @classmethod
+    def parse(cls, value) -> SpeculativeConfig:
+        """From a SpeculativeConfig, a dict of its fields, a JSON object, or a method name
+        ("ngram"); anything else raises ValueError."""
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            text = value.strip()
+            if text.startswith("{"):
+                import json
+
+                try:
+                    value = json.loads(text)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"speculative is not valid JSON: {e}") from None
+            else:
+                value = {"method": text}
+        if not isinstance(value, dict):
+            raise ValueError(
+                f"speculative must be a SpeculativeConfig, a dict or a JSON object, got {value!r}"
+            )
+        names = {f for f in cls.__dataclass_fields__}
+        unknown = sorted(set(value) - names)
+        if unknown:
+            raise ValueError(f"speculative has unknown fields {unknown}; known: {sorted(names)}")
+        return cls(**value)
 
 
 @dataclass
@@ -65,6 +127,8 @@ class EngineConfig:
     quant_policy: str | None = None  # "w8a8": int8 weights+activations (float ckpt: no smoothing)
     enable_prefix_caching: bool = False
     kv_cache_dtype: str = "auto"  # "auto": K/V in the model dtype; "int8": int8 + per-token scales
+    # speculative decoding: a SpeculativeConfig, dict, JSON object or "ngram"; None = off
+    speculative: SpeculativeConfig | str | None = None
     num_threads: int = 0  # CPU: torch intra-op threads; 0 = all cores
     trust_remote_code: bool = False
     # extra MODULE_MAP entries (HF qualified class name -> patched class), e.g. from user code
@@ -107,6 +171,10 @@ class EngineConfig:
                 f"'package.module.PatchedClass' strings, got {self.module_map!r}"
             )
         _check_int("max_lora_rank", self.max_lora_rank, 0)
+        if self.speculative is not None:
+            self.speculative = SpeculativeConfig.parse(self.speculative)
+            if self.tp > 1:
+                raise ValueError("speculative decoding is not supported with tp > 1 yet")
 
 
 @dataclass

@@ -166,3 +166,28 @@ def test_smollm2_perplexity_within_1_percent_of_float32_kv(smollm2_path):
             ppl[kv] = perplexity(engine, heldout_token_ids(engine.tokenizer), 128, 4)
     assert ppl["int8"] != ppl["auto"]  # the int8 cache is really used
     assert abs(ppl["int8"] / ppl["auto"] - 1) < 0.01, ppl
+
+
+@pytest.mark.parametrize("speculative", ["ngram", "draft"])
+def test_speculative_decoding_on_an_int8_cache(tiny_llama_path, speculative):
+    """Verification reads the drafted tokens' int8 KV like decoding does: greedy output equals
+    the same int8 engine without speculation (the draft model, here the model itself, gets an
+    int8 cache too)."""
+    prompts = random_prompts([7, 20], 2000, seed=4)
+    prompts += [[7, 8, 9] * 6, [100, 200] * 9]  # repetitive: prompt lookup finds n-grams
+    spec = "ngram" if speculative == "ngram" else {"method": "draft_model"}
+    if speculative == "draft":
+        spec["draft_model"] = tiny_llama_path
+    outs = {}
+    for name, extra in (("plain", {}), ("spec", {"speculative": spec})):
+        cfg = EngineConfig(kv_cache_dtype="int8", block_size=4, num_gpu_blocks=100, **extra)
+        with Engine.from_pretrained(tiny_llama_path, cfg) as engine:
+            gen = GenerationConfig(max_new_tokens=12, ignore_eos=True)
+            outs[name] = [r.token_ids for r in run_threads(engine, prompts, gen)]
+            engine.check_integrity()
+            if name == "spec":
+                assert engine.stats()["speculative"]["num_accepted_tokens"] > 0
+            if speculative == "draft" and name == "spec":
+                draft_cache = engine.model_agent.proposer.cache_engine.kv_caches[0]
+                assert draft_cache[0].dtype == torch.int8 and len(draft_cache) == 4
+    assert outs["spec"] == outs["plain"]

@@ -52,6 +52,38 @@ def test_top_k_filters():
     assert set(drawn.tolist()) == {1, 2}
 
 
+def test_temperature_top_k_top_p_match_transformers_warpers():
+    """Rows with different settings in one batch, each equal to transformers' warpers applied
+    in its order: temperature, top-k, then top-p over what top-k kept."""
+    from transformers.generation.logits_process import (
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    torch.manual_seed(3)
+    logits = torch.randn(4, 40) * 3
+    cfgs = [
+        GenerationConfig(do_sample=True, temperature=0.8, top_k=5, top_p=0.6),
+        GenerationConfig(do_sample=True, temperature=1.5, top_k=12),
+        GenerationConfig(do_sample=True, top_p=0.9),
+        GenerationConfig(do_sample=True, temperature=0.5, top_k=3, top_p=0.99),
+    ]
+    for only_topk_rows in (False, True):  # all rows with a top-k take the top-k fast path
+        rows = [0, 1, 3] if only_topk_rows else [0, 1, 2, 3]
+        ours = Sampler([], torch.device("cpu"))._warp(logits[rows], [cfgs[i] for i in rows])
+        for out_row, i in enumerate(rows):
+            c, row = cfgs[i], logits[i : i + 1]
+            row = TemperatureLogitsWarper(c.temperature)(None, row)
+            if c.top_k:
+                row = TopKLogitsWarper(c.top_k)(None, row)
+            if c.top_p < 1:
+                row = TopPLogitsWarper(c.top_p)(None, row)
+            kept = row[0] > float("-inf")
+            assert torch.equal(ours[out_row] > float("-inf"), kept), i
+            torch.testing.assert_close(ours[out_row][kept], row[0][kept])
+
+
 def test_repetition_penalty_matches_transformers():
     from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 

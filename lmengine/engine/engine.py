@@ -147,14 +147,6 @@ class Engine:
         num_blocks = self.model_agent.num_gpu_blocks
         if cfg.eviction_type == "swap" and not cfg.num_cpu_blocks:
             logger.warning("eviction_type='swap' with num_cpu_blocks=0: preempting by recompute")
-        self.scheduler = Scheduler(
-            BlockManager(num_blocks, cfg.num_cpu_blocks, cfg.block_size, cfg.enable_prefix_caching),
-            get_policy(cfg.scheduling_policy, priority_aging_s=cfg.priority_aging_s),
-            max_batch_size=cfg.max_batch_size,
-            max_prefill_token_num=cfg.max_prefill_token_num,
-            eviction_type=cfg.eviction_type,
-            qos=self._qos,
-        )
         # NOTE: a sequence can never outgrow the whole KV pool, so cap its length there.
         wanted = cfg.session_len or self.info.max_position_embeddings
         self.session_len = min(wanted, num_blocks * cfg.block_size)
@@ -166,6 +158,16 @@ class Engine:
                 num_blocks,
                 cfg.block_size,
             )
+        self.scheduler = Scheduler(
+            BlockManager(num_blocks, cfg.num_cpu_blocks, cfg.block_size, cfg.enable_prefix_caching),
+            get_policy(cfg.scheduling_policy, priority_aging_s=cfg.priority_aging_s),
+            max_batch_size=cfg.max_batch_size,
+            max_prefill_token_num=cfg.max_prefill_token_num,
+            eviction_type=cfg.eviction_type,
+            qos=self._qos,
+            num_lookahead_slots=cfg.speculative.num_speculative_tokens if cfg.speculative else 0,
+            max_seq_len=self.session_len,
+        )
         self._adapter_names: frozenset[str] = frozenset()  # read by _validate on any thread
         if cfg.adapters:
             self._enable_lora(cfg.adapters)
@@ -251,8 +253,17 @@ class Engine:
 
     def stats(self) -> dict:
         """Scheduler counters (see `Scheduler.stats`): queue lengths incl. `num_swapped`, free
-        blocks of both pools, preemptions, and per-group QoS counters under "qos"."""
-        return self.call(self.scheduler.stats)
+        blocks of both pools, preemptions, per-group QoS counters under "qos", and with
+        speculative decoding the acceptance counters under "speculative"."""
+
+        def collect() -> dict:
+            stats = self.scheduler.stats()
+            speculative = getattr(self.model_agent, "speculative_stats", lambda: None)()
+            if speculative is not None:
+                stats["speculative"] = speculative
+            return stats
+
+        return self.call(collect)
 
     # ---- LoRA adapters ------------------------------------------------------------------------
     def add_adapter(self, name: str, path: str) -> None:
@@ -413,7 +424,7 @@ class Engine:
     def step(self) -> SchedulerOutput:
         out = self.scheduler.schedule()
         results = self.model_agent.forward(out)
-        new_tokens: dict[int, int] = {}
+        new_tokens: dict[int, list[int]] = {}
         finished: list[Sequence] = []
         published: list[tuple[AddRequest, Response]] = []
         for item in out.scheduled:
@@ -421,10 +432,20 @@ class Engine:
             if res is None:
                 continue
             state = self._states[item.seq.session_id]
-            new_tokens[item.seq.seq_id] = res.token_id
-            reason = self._check_stop(state, res)
-            token_ids = [*item.seq.generated_token_ids, res.token_id]
-            published.append((state.req, state.response(token_ids, reason)))
+            accepted: list[int] = []  # speculative decoding: several tokens per step
+            for one in res if isinstance(res, list) else [res]:
+                reason = self._check_stop(state, one, len(accepted))
+                accepted.append(one.token_id)
+                if reason is not None:
+                    break
+            new_tokens[item.seq.seq_id] = accepted
+            token_ids = [*item.seq.generated_token_ids, *accepted]
+            response = state.response(token_ids, reason)
+            if self.engine_config.speculative is not None:
+                stats = self.model_agent.speculative_stats(item.seq.seq_id)
+                response.num_draft_tokens = stats["num_draft_tokens"]
+                response.num_accepted_tokens = stats["num_accepted_tokens"]
+            published.append((state.req, response))
             if reason is not None:
                 finished.append(item.seq)
                 del self._states[item.seq.session_id]
@@ -433,8 +454,9 @@ class Engine:
         self.request_manager.publish_many(published)
         return out
 
-    def _check_stop(self, state: _RequestState, res: SampleResult) -> str | None:
-        """Record the sampled token in the request's text; return a finish reason or None."""
+    def _check_stop(self, state: _RequestState, res: SampleResult, pending: int = 0) -> str | None:
+        """Record the sampled token in the request's text; return a finish reason or None.
+        `pending`: tokens already accepted this step before this one (speculative decoding)."""
         seq, cfg, tok = state.seq, state.req.gen_config, res.token_id
         if state.logprobs is not None:
             state.logprobs.append(res.top_logprobs or {})
@@ -442,7 +464,7 @@ class Engine:
         if state.detok is not None:
             state.detok.add(tok)
             state.text = state.detok.text
-        num_generated = seq.num_generated_tokens + 1
+        num_generated = seq.num_generated_tokens + pending + 1
         if num_generated > cfg.min_new_tokens:
             if not cfg.ignore_eos and tok in self.info.eos_token_ids:
                 return "stop"
@@ -454,6 +476,6 @@ class Engine:
                     if at >= 0:
                         state.text = state.text[:at]
                         return "stop"
-        if num_generated >= cfg.max_new_tokens or seq.num_tokens + 1 >= self.session_len:
+        if num_generated >= cfg.max_new_tokens or seq.num_tokens + pending + 1 >= self.session_len:
             return "length"
         return None

@@ -32,6 +32,9 @@ class Response:
     index: int = 0  # position of the prompt in a pipeline batch
     error: str | None = None  # message when finish_reason == "error"
     session_id: int | None = None
+    # speculative decoding: tokens drafted for this request so far, and how many were kept
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 @dataclass

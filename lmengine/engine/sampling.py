@@ -71,7 +71,7 @@ class Sampler:
     def release(self, seq_id: int) -> None:
         self._generators.pop(seq_id, None)
 
-    def _generator(self, seq: Sequence) -> torch.Generator:
+    def _generator(self, seq) -> torch.Generator:
         gen = self._generators.get(seq.seq_id)
         if gen is None:
             gen = torch.Generator(device=self.device).manual_seed(seq.gen_config.random_seed)
@@ -81,30 +81,68 @@ class Sampler:
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampleResult]:
         """logits: [num_samples, vocab] float32, row i for seqs[i]."""
         cfgs = [s.gen_config for s in seqs]
-        raw_logprobs = None
-        if any(c.logprobs is not None for c in cfgs):
-            raw_logprobs = logits.log_softmax(-1)  # [num_samples, vocab]
-        logits = self._apply_penalties(logits.clone(), seqs)
-        tokens = logits.argmax(-1)  # [num_samples]
+        processed = self._apply_penalties(logits.clone(), seqs)
+        tokens = processed.argmax(-1)  # [num_samples]
         sample_rows = [i for i, c in enumerate(cfgs) if c.do_sample]
         if sample_rows:
-            tokens[sample_rows] = self._draw(logits[sample_rows], [seqs[i] for i in sample_rows])
-        token_list = tokens.tolist()
-        results = [SampleResult(t) for t in token_list]
-        if raw_logprobs is not None:
-            for i, c in enumerate(cfgs):
-                if c.logprobs is None:
-                    continue
-                tok = token_list[i]
-                top = {}
-                if c.logprobs > 0:
-                    values, ids = raw_logprobs[i].topk(c.logprobs)
-                    top = dict(zip(ids.tolist(), values.tolist()))
-                chosen = float(raw_logprobs[i, tok])
-                top[tok] = chosen
-                results[i].logprob = chosen
-                results[i].top_logprobs = top
+            probs = self._warp(processed[sample_rows], [cfgs[i] for i in sample_rows]).softmax(-1)
+            noise = self.exponential_noise(probs, [seqs[i] for i in sample_rows])
+            tokens[sample_rows] = (probs / noise).argmax(-1)
+        return self.results(logits, tokens.tolist(), cfgs)
+
+    def probabilities(self, logits: torch.Tensor, seqs: Seq) -> torch.Tensor:
+        """The distribution each row's token is drawn from, [num_rows, vocab]: after the
+        penalties, a one-hot of the argmax for greedy rows, else the softmax after
+        temperature, top-k and top-p. `seqs` may be any objects with a sequence's
+        `gen_config`, `token_ids`, `generated_token_ids` and `num_generated_tokens`."""
+        cfgs = [s.gen_config for s in seqs]
+        logits = self._apply_penalties(logits.clone(), seqs)
+        probs = torch.zeros_like(logits)
+        probs.scatter_(1, logits.argmax(-1, keepdim=True), 1.0)
+        sample_rows = [i for i, c in enumerate(cfgs) if c.do_sample]
+        if sample_rows:
+            probs[sample_rows] = self._warp(
+                logits[sample_rows], [cfgs[i] for i in sample_rows]
+            ).softmax(-1)
+        return probs
+
+    def results(self, logits: torch.Tensor, tokens: list[int], cfgs: Seq) -> list[SampleResult]:
+        """SampleResults for the chosen `tokens`, with logprobs of the raw `logits` rows
+        where the request asked for them."""
+        results = [SampleResult(t) for t in tokens]
+        if all(c.logprobs is None for c in cfgs):
+            return results
+        raw_logprobs = logits.log_softmax(-1)  # [num_rows, vocab]
+        for i, c in enumerate(cfgs):
+            if c.logprobs is None:
+                continue
+            tok = tokens[i]
+            top = {}
+            if c.logprobs > 0:
+                values, ids = raw_logprobs[i].topk(c.logprobs)
+                top = dict(zip(ids.tolist(), values.tolist()))
+            chosen = float(raw_logprobs[i, tok])
+            top[tok] = chosen
+            results[i].logprob = chosen
+            results[i].top_logprobs = top
         return results
+
+    def exponential_noise(self, like: torch.Tensor, seqs: Seq) -> torch.Tensor:
+        """Exp(1) noise shaped like `like` [rows, n]; a seeded request's row comes from its
+        own generator. argmax(p / noise) draws from p (the exponential race)."""
+        noise = torch.empty_like(like).exponential_()
+        for row, seq in enumerate(seqs):
+            if seq.gen_config.random_seed is not None:
+                noise[row].exponential_(generator=self._generator(seq))
+        return noise
+
+    def uniform(self, rows: int, cols: int, seqs: Seq) -> torch.Tensor:
+        """U[0, 1) draws, [rows, cols]; a seeded request's row comes from its own generator."""
+        out = torch.rand(rows, cols, device=self.device)
+        for row, seq in enumerate(seqs):
+            if seq.gen_config.random_seed is not None:
+                out[row] = torch.rand(cols, generator=self._generator(seq), device=self.device)
+        return out
 
     def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         cfgs = [s.gen_config for s in seqs]
@@ -142,24 +180,25 @@ class Sampler:
                     logits[i, stops] = float("-inf")
         return logits
 
-    def _draw(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """logits: [num_rows, vocab] -> sampled token per row."""
-        cfgs = [s.gen_config for s in seqs]
+    def _warp(self, logits: torch.Tensor, cfgs: Seq) -> torch.Tensor:
+        """Temperature, then top-k and top-p (filtered entries -inf). logits: [rows, vocab]."""
         dev = logits.device
         temperature = torch.tensor([c.temperature for c in cfgs], device=dev)
         logits = logits / temperature[:, None]
         if any(c.top_k > 0 or c.top_p < 1.0 for c in cfgs):
-            sorted_logits, sorted_ids = logits.sort(-1, descending=True)  # [rows, vocab]
+            vocab = logits.shape[1]
+            widest = max(c.top_k or vocab for c in cfgs)
+            if widest < vocab:  # every row has a top-k: only the top `widest` can survive
+                sorted_logits, sorted_ids = logits.topk(widest, -1)  # [rows, widest]
+            else:
+                sorted_logits, sorted_ids = logits.sort(-1, descending=True)  # [rows, vocab]
+            top_k = torch.tensor([c.top_k or vocab for c in cfgs], device=dev)
+            beyond_k = torch.arange(sorted_logits.shape[1], device=dev)[None, :] >= top_k[:, None]
+            sorted_logits = sorted_logits.masked_fill(beyond_k, float("-inf"))
+            # top-p over what top-k left (as transformers' warpers, in that order)
             probs = sorted_logits.softmax(-1)
             top_p = torch.tensor([c.top_p for c in cfgs], device=dev)
-            remove = (probs.cumsum(-1) - probs) > top_p[:, None]  # keeps at least the first
-            top_k = torch.tensor([c.top_k or logits.shape[1] for c in cfgs], device=dev)
-            remove |= torch.arange(logits.shape[1], device=dev)[None, :] >= top_k[:, None]
-            sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
-            logits = torch.empty_like(logits).scatter_(1, sorted_ids, sorted_logits)
-        probs = logits.softmax(-1)
-        noise = torch.empty_like(probs).exponential_()
-        for row, seq in enumerate(seqs):
-            if seq.gen_config.random_seed is not None:
-                noise[row].exponential_(generator=self._generator(seq))
-        return (probs / noise).argmax(-1)
+            beyond_p = (probs.cumsum(-1) - probs) > top_p[:, None]  # keeps at least the first
+            sorted_logits = sorted_logits.masked_fill(beyond_p, float("-inf"))
+            logits = torch.full_like(logits, float("-inf")).scatter_(1, sorted_ids, sorted_logits)
+        return logits

@@ -57,10 +57,13 @@ def build_step_context(
     kv_caches: list[tuple[torch.Tensor, ...]],
     device: torch.device,
     kv_token_bytes: int = 0,
+    num_logits: list[int] | None = None,
 ) -> StepContext:
     """The context of one packed step: sequence b computes `q_lens[b]` tokens from position
-    `start_pos[b]` on, in the blocks of `block_tables[b]`; rows with `needs_sample` get logits.
-    Shared by the ModelAgent and every tensor-parallel rank, so they pack identically."""
+    `start_pos[b]` on, in the blocks of `block_tables[b]`; rows with `needs_sample` get logits
+    of their last token, or of their last `num_logits[b]` tokens when given (speculative
+    decoding verifies every drafted token). Shared by the ModelAgent and every
+    tensor-parallel rank, so they pack identically."""
     q_lens_t = torch.tensor(q_lens)
     kv_lens = [s + n for s, n in zip(start_pos, q_lens)]
     # position of every packed token: start of its sequence + offset within the chunk
@@ -76,8 +79,16 @@ def build_step_context(
         meta.block_tables.cpu()[seq_of_token, positions // block_size].long() * block_size
         + positions % block_size
     )
-    sample_rows = torch.tensor(needs_sample, dtype=torch.bool)
-    logits_indices = (first_token + q_lens_t - 1)[sample_rows]  # [num_samples]
+    if num_logits is None:
+        sample_rows = torch.tensor(needs_sample, dtype=torch.bool)
+        logits_indices = (first_token + q_lens_t - 1)[sample_rows]  # [num_samples]
+    else:  # the last num_logits[b] rows of every sequence, in packed order
+        counts = torch.tensor(num_logits)
+        first_row = torch.repeat_interleave(first_token + q_lens_t - counts, counts)
+        rank = torch.arange(int(counts.sum())) - torch.repeat_interleave(
+            torch.cumsum(counts, 0) - counts, counts
+        )
+        logits_indices = first_row + rank  # [num_samples]
     return StepContext(
         positions=positions.to(device),
         slot_mapping=slot_mapping.to(device),

@@ -41,6 +41,7 @@ class ScheduledSequence:
     start_pos: int  # tokens already in the cache = position of the first token computed now
     num_new_tokens: int  # tokens computed this step: seq.token_ids[start_pos:start_pos + n]
     needs_sample: bool  # this chunk reaches the sequence's last token: sample the next one
+    num_lookahead: int = 0  # speculative decoding: slots allocated past the chunk for drafts
 
     @property
     def token_ids(self) -> list[int]:
@@ -88,7 +89,12 @@ class Scheduler:
         eviction_type: str = "recompute",
         qos: QoS | None = None,
         adapter_manager: AdapterManager | None = None,
+        num_lookahead_slots: int = 0,
+        max_seq_len: int | None = None,
     ) -> None:
+        """`num_lookahead_slots`: speculative decoding drafts up to this many tokens per
+        decoding sequence, so a decode step allocates slots for them too (never past
+        `max_seq_len` tokens or the sequence's `max_new_tokens`)."""
         if eviction_type not in ("recompute", "swap"):
             raise ValueError(f"eviction_type must be 'recompute' or 'swap', got {eviction_type!r}")
         self.block_manager = block_manager
@@ -99,6 +105,8 @@ class Scheduler:
         self.eviction_type = eviction_type
         self.qos = qos
         self.adapter_manager = adapter_manager
+        self.num_lookahead_slots = num_lookahead_slots
+        self.max_seq_len = max_seq_len
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.swapped: list[Sequence] = []
@@ -192,7 +200,8 @@ class Scheduler:
             if num_new == 0:
                 kept.append(seq)  # chunked prefill waits for budget; keeps its blocks
                 continue
-            while not bm.can_allocate(seq, seq.num_computed_tokens + num_new):
+            num_slots = seq.num_computed_tokens + num_new + self._lookahead(seq, num_new)
+            while not bm.can_allocate(seq, num_slots):
                 victim = self.victim(queue, now) if queue else seq
                 self._preempt(victim, out)
                 if victim is seq:
@@ -200,7 +209,7 @@ class Scheduler:
                 queue.remove(victim)
             if seq.status != SequenceStatus.RUNNING:
                 continue
-            bm.allocate(seq, seq.num_computed_tokens + num_new)
+            bm.allocate(seq, num_slots)
             kept.append(seq)
             self._emit(seq, num_new, out)
         self.running = kept
@@ -217,6 +226,18 @@ class Scheduler:
         """Tokens `seq` computes this step: 1 for a decode, else a chunk within the budget."""
         num_new = seq.num_tokens - seq.num_computed_tokens
         return num_new if num_new <= 1 else min(num_new, self._prefill_budget)
+
+    def _lookahead(self, seq: Sequence, num_new: int) -> int:
+        """Draft slots for `seq` this step: only a decode (its last token is computed now)
+        drafts, and never past its token limits."""
+        if not self.num_lookahead_slots or num_new != 1:
+            return 0
+        if seq.num_computed_tokens + 1 != seq.num_tokens:
+            return 0
+        room = seq.max_new_tokens - seq.num_generated_tokens - 1
+        if self.max_seq_len is not None:
+            room = min(room, self.max_seq_len - seq.num_tokens - 1)
+        return max(0, min(self.num_lookahead_slots, room))
 
     def _admit(self, out: SchedulerOutput, now: float) -> None:
         bm = self.block_manager
@@ -245,7 +266,7 @@ class Scheduler:
             # NOTE: swap-ins are copied before swap-outs; a device block freed by a
             # swap-out this step must not receive a swap-in in the same step
             return False
-        num_tokens = seq.num_computed_tokens + num_new
+        num_tokens = seq.num_computed_tokens + num_new + self._lookahead(seq, num_new)
 
         def fits() -> bool:
             if len(self.running) >= self.max_batch_size:
@@ -327,7 +348,8 @@ class Scheduler:
     def _emit(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> None:
         start = seq.num_computed_tokens
         needs_sample = start + num_new == seq.num_tokens
-        out.scheduled.append(ScheduledSequence(seq, start, num_new, needs_sample))
+        lookahead = self._lookahead(seq, num_new)
+        out.scheduled.append(ScheduledSequence(seq, start, num_new, needs_sample, lookahead))
         out.num_batched_tokens += num_new
         self.num_computed_prompt_tokens += _num_prompt_tokens(seq, start, num_new)
         if num_new > 1:
@@ -359,23 +381,27 @@ class Scheduler:
     def update(
         self,
         out: SchedulerOutput,
-        new_tokens: dict[int, int],
+        new_tokens: dict[int, int | list[int]],
         finished: Iterable[Sequence] = (),
     ) -> None:
         """Take a step's results back: the computed chunks are now cached, sampled tokens
-        (`seq_id -> token`) are appended, and `finished` sequences release their blocks."""
+        (`seq_id -> token`) are appended, and `finished` sequences release their blocks.
+
+        With speculative decoding a sequence may get a list of tokens: the accepted drafts
+        and one token sampled after them. The drafts' KV was computed by the verifying
+        forward, so all of them but the last token count as cached."""
         now = self.clock() if self.qos is not None else 0.0
         for item in out.scheduled:
             seq = item.seq
             if seq.status != SequenceStatus.RUNNING:
                 continue  # aborted during the step
-            seq.num_computed_tokens = item.start_pos + item.num_new_tokens
-            self.block_manager.commit(seq)  # prefix caching: publish the now full blocks
             token = new_tokens.get(seq.seq_id)
-            if token is not None:
-                seq.token_ids.append(token)
+            tokens = [token] if isinstance(token, int) else token or []
+            seq.token_ids.extend(tokens)
+            seq.num_computed_tokens = item.start_pos + item.num_new_tokens + max(0, len(tokens) - 1)
+            self.block_manager.commit(seq)  # prefix caching: publish the now full blocks
             if self.qos is not None:
-                mark = seq.num_tokens if token is not None else seq.num_computed_tokens
+                mark = seq.num_tokens if tokens else seq.num_computed_tokens
                 self.qos.charge(seq, mark, now)
         for seq in finished:
             self.abort_sequence(seq)
