@@ -329,7 +329,7 @@ def _decode_kernel():
 
 
 def _decode_kernel_int8():
-    """Its int8-cache variant (dequantizes each key and value row as it reads it), or None."""
+    """Its int8-cache variant (dequantizes block by block as it reads), or None."""
     module = cpu_ext.load()
     return None if module is None else getattr(module, "paged_decode_attention_int8", None)
 
