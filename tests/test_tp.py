@@ -190,11 +190,10 @@ def test_worker_that_fails_to_start(tiny_llama_path, monkeypatch):
     assert not dist.is_initialized()
 
 
-def test_bad_tp_settings_are_refused_before_start(tiny_llama_path):
+def test_bad_tp_settings_are_refused_before_start(tiny_llama_path, tmp_path):
     cases = [
         (dict(tp=3), "tp=3 does not divide num_attention_heads=4"),
         (dict(tp=8), "tp=8 does not divide num_attention_heads=4"),
-        (dict(tp=2, adapters={"a": "/nowhere"}), "LoRA adapters is not supported"),
         (dict(tp=2, quant_policy="w8a8"), "w8a8"),
     ]
     if (os.cpu_count() or 1) < 4:
@@ -202,8 +201,16 @@ def test_bad_tp_settings_are_refused_before_start(tiny_llama_path):
     for cfg, message in cases:
         with pytest.raises(ValueError, match=message):
             Engine.from_pretrained(tiny_llama_path, EngineConfig(device="cpu", **cfg))
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer, MixtralConfig, MixtralForCausalLM
 
+    moe = MixtralConfig(
+        vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+    )  # fmt: skip
+    MixtralForCausalLM(moe).save_pretrained(tmp_path / "moe")
+    AutoTokenizer.from_pretrained(tiny_llama_path).save_pretrained(tmp_path / "moe")
+    with pytest.raises(ValueError, match="mixture-of-experts model .4 experts. is not supported"):
+        Engine.from_pretrained(str(tmp_path / "moe"), EngineConfig(device="cpu", tp=2))
     model = AutoModelForCausalLM.from_pretrained(tiny_llama_path)
     with pytest.raises(ValueError, match="from_pretrained"):
         Engine(model, None, EngineConfig(tp=2))
@@ -227,6 +234,7 @@ def test_step_channel_round_trip_and_growth():
         q_lens=[299, 1],
         needs_sample=[True, False],
         block_tables=[list(range(75)), [80, 81]],
+        lora=[1, 0, 1, 2, 2, 5, 6, 0, 0, -1],
     )
     small = StepInputs([], [], [(9, 10)], torch.tensor([5]), [3], [1], [True], [[2]])
     for inputs in (big, small, big):
@@ -236,7 +244,10 @@ def test_step_channel_round_trip_and_growth():
         for field in ("swap_in", "swap_out", "copy", "start_pos", "q_lens", "needs_sample"):
             assert getattr(got, field) == getattr(inputs, field), field
         assert got.block_tables == inputs.block_tables
+        assert got.lora == inputs.lora
         assert torch.equal(got.token_ids, inputs.token_ids)
-    assert receiver.buffer.numel() == sender.buffer.numel() >= 8 + 300 + 75
+    assert receiver.buffer.numel() == sender.buffer.numel() >= 9 + 300 + 75
+    sender.send_control({"op": "store", "path": "/a/b é"})  # a LoRA control message
+    assert receiver.receive() == {"op": "store", "path": "/a/b é"}
     sender.send(None)
     assert receiver.receive() is None

@@ -131,8 +131,6 @@ def test_quant_policy_on_float_checkpoint_quantizes_without_smoothing(tiny_llama
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (dict(tp=2), "tp > 1 with a w8a8 checkpoint"),
-        (dict(tp=2, quant_policy="w8a8"), "tp > 1"),
         (dict(adapters={"a": "/nowhere"}), "LoRA"),
     ],
 )

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from lmengine.config import EngineConfig
 from lmengine.distributed.comm import TPGroup, backend_for, reset_tp_group, set_tp_group
 from lmengine.distributed.load import load_shard, local_checkpoint, weight_bytes
+from lmengine.distributed.lora import needs_broadcast
 from lmengine.distributed.step import StepChannel, StepInputs, build_rank_runner
 from lmengine.distributed.worker import (
     COLLECTIVE_TIMEOUT,
@@ -127,15 +128,18 @@ class TPModelAgent(ModelAgent):
         on_failure: Callable[[str], None] | None = None,
     ) -> None:
         cfg = engine_config
-        if cfg.adapters:
-            raise ValueError("tp > 1 with LoRA adapters is not supported yet")
-        if cfg.quant_policy is not None:
-            raise ValueError(f"tp > 1 with quant_policy={cfg.quant_policy!r} is not supported yet")
         from lmengine.engine.loader import resolve_model_path
         from lmengine.quant.w8a8 import read_quant_config
 
-        if read_quant_config(resolve_model_path(model_path)) is not None:
-            raise ValueError("tp > 1 with a w8a8 checkpoint is not supported yet: use tp=1")
+        is_w8a8 = read_quant_config(resolve_model_path(model_path)) is not None
+        if cfg.quant_policy is not None and not is_w8a8:
+            raise ValueError(
+                f"tp > 1 with quant_policy={cfg.quant_policy!r} on a float checkpoint is not "
+                "supported: quantize it first (`lmengine quantize w8a8`) and serve that "
+                "checkpoint with tp > 1"
+            )
+        if is_w8a8 and cfg.adapters:
+            raise ValueError("LoRA adapters are not supported together with a w8a8 checkpoint")
         if dist.is_initialized():
             raise RuntimeError(
                 "a process group already exists in this process: one tensor-parallel engine "
@@ -167,11 +171,13 @@ class TPModelAgent(ModelAgent):
             set_tp_group(TPGroup(0, cfg.tp, device))
             self.runner = build_rank_runner(self.model, self.info, cfg, device)
             self.channel = StepChannel(device)
+            self.runner.lora.send = self.channel.send_control
         except BaseException:
             self._shutdown(send_stop=False)
             raise
         self.cache_engine = self.runner.cache_engine
         self.kv_token_bytes = self.runner.kv_token_bytes
+        self.lora = self.runner.lora  # the engine adds adapters through it
         self.sampler = Sampler(self.info.eos_token_ids, device)
         self._monitor = threading.Thread(target=self._watch, name="lmengine-tp-watch", daemon=True)
         self._monitor.start()
@@ -181,20 +187,22 @@ class TPModelAgent(ModelAgent):
         """Configuration errors surface before any process starts."""
         from transformers import AutoConfig
 
-        from lmengine.distributed.load import check_tp
+        from lmengine.distributed.load import check_tp, check_tp_config
         from lmengine.models.model_info import ModelInfo
 
         config = AutoConfig.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
         check_tp(ModelInfo.from_hf(config), cfg.tp, device)
+        check_tp_config(config, cfg.tp)
 
     # ---- per step (engine loop thread) ---------------------------------------------------------
     @torch.inference_mode()
     def forward(self, out: SchedulerOutput) -> dict[int, SampleResult]:
         has_swaps = out.blocks_to_swap_in or out.blocks_to_swap_out or out.blocks_to_copy
-        if out.is_empty and not has_swaps:
+        if out.is_empty and not has_swaps and not needs_broadcast(out.adapter_plan):
             return {}
         self._raise_if_failed()
         inputs = StepInputs.from_output(out)
+        inputs.lora = self.lora.encode(out)
         try:
             self.channel.send(inputs)
             logits = self.runner.run(inputs)  # [num_samples, vocab]

@@ -48,6 +48,13 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def all_reduce_max(x: torch.Tensor) -> torch.Tensor:
+    """The elementwise maximum of `x` over the ranks, in place."""
+    if _GROUP.world_size > 1:
+        dist.all_reduce(x, op=dist.ReduceOp.MAX)
+    return x
+
+
 def gather_vocab(local: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """[rows, vocab_per_rank] on every rank -> [rows, vocab_size] on rank 0.
 

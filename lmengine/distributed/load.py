@@ -70,19 +70,35 @@ def check_tp(info: ModelInfo, tp: int, device: torch.device) -> None:
             raise ValueError(f"tp={tp} ranks on {cores} CPU cores: use tp <= {cores}")
 
 
+def check_tp_config(config, tp: int) -> None:
+    """Raise ValueError for what tensor parallelism does not split (before any process starts)."""
+    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+    if tp > 1 and experts:
+        raise ValueError(
+            f"tp={tp} with a mixture-of-experts model ({experts} experts) is not supported: "
+            "the experts are not sharded; use tp=1"
+        )
+
+
 def load_shard(
     path: str, dtype: str, device: torch.device, rank: int, tp: int, trust_remote_code: bool
 ) -> tuple[nn.Module, ModelInfo]:
     """This rank's patched, sharded model in eval mode on `device`, and the model's info."""
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
+    from lmengine.quant.w8a8 import quantize_model, read_quant_config
+
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    is_w8a8 = read_quant_config(path) is not None
+    if is_w8a8:
+        del config.quantization_config  # NOTE: transformers knows no such quantizer
     try:
         generation_config = GenerationConfig.from_pretrained(path)
     except OSError:
         generation_config = None
     info = ModelInfo.from_hf(config, generation_config)
     check_tp(info, tp, device)
+    check_tp_config(config, tp)
     torch_dtype = pick_dtype(dtype, device, config)
     with parameters_on_meta():
         model = AutoModelForCausalLM.from_config(
@@ -90,14 +106,22 @@ def load_shard(
         )
     model.eval().requires_grad_(False)
     patch(model)
+    if is_w8a8:  # the int8 structure (on meta), then sharded like the float one
+        quantize_model(model, None, None, quantize_weights=False)
     load = shard_model(model, rank, tp)
     materialize(model, load, CheckpointReader(path), device)
     return model, info
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """Bytes of this rank's parameters (tied ones counted once)."""
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+    """Bytes of this rank's parameters (tied ones counted once) and saved buffers (int8
+    weights and scales of w8a8)."""
+    tensors = list(model.parameters())
+    for module in model.modules():
+        for name, buf in module._buffers.items():
+            if buf is not None and name not in module._non_persistent_buffers_set:
+                tensors.append(buf)
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def load_tokenizer(model_path: str | None, dtype: str, device: str, trust_remote_code=False):

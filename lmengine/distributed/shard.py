@@ -15,6 +15,10 @@ tensor parallelism without code. Applied to the patched modules:
   ceil(vocab / tp) rows; embedding rows outside a rank's range are zero and summed; the LM
   head's logit shards are gathered to rank 0.
 - everything else (norms) is replicated.
+- w8a8 (`W8A8Linear`, int8 weights with a float32 scale per output row): colwise splits the
+  int8 rows with their scales; rowwise splits the int8 input columns and keeps the scales
+  and bias whole; a rowwise layer takes its per-token input scale over all ranks and sums
+  the int32 accumulators (exact), so it computes what tp=1 does.
 
 `shard_model` only reshapes parameters (on the meta device) and records where each one's
 values come from; `CheckpointReader` then reads exactly those slices from the safetensors
@@ -34,6 +38,7 @@ from torch import nn
 
 from lmengine.distributed.comm import all_reduce, gather_vocab
 from lmengine.models.layers import MergedLinear, PackedLinear
+from lmengine.models.w8a8 import W8A8Linear
 
 
 @dataclass(frozen=True)
@@ -48,7 +53,18 @@ class Piece:
     missing_is_zero: bool = False  # a merged part without a bias: zeros of `stop - start`
 
 
-LoadPlan = dict[str, list[Piece]]  # parameter name (as named_parameters gives it) -> pieces
+LoadPlan = dict[str, list[Piece]]  # parameter or buffer name -> pieces
+
+
+@dataclass(frozen=True)
+class TPShard:
+    """How one linear was split, kept on it (`lmengine_tp_shard`) for whoever shards tensors
+    that pair with its weight (LoRA A and B)."""
+
+    style: str  # "colwise" (output rows split) or "rowwise" (input columns split)
+    full_sizes: tuple[int, ...]  # colwise: full output rows of each part; rowwise: (full in,)
+    ranges: tuple[tuple[int, int], ...]  # colwise: this rank's rows of each part; rowwise:
+    # ((first, stop) input column,)
 
 
 def tp_plan(model: nn.Module) -> dict[str, str]:
@@ -181,7 +197,9 @@ def shard_model(model: nn.Module, rank: int, tp: int) -> LoadPlan:
             continue
         parent_name = name.rpartition(".")[0]
         unit = getattr(modules[parent_name], "head_dim", 1) if name else 1
-        if isinstance(module, MergedLinear):
+        if isinstance(module, W8A8Linear):
+            _shard_w8a8(module, name, parent_name, matcher, unit, rank, tp, load)
+        elif isinstance(module, MergedLinear):
             _shard_merged(module, name, parent_name, matcher, unit, rank, tp, load)
         elif isinstance(module, nn.Linear):
             _shard_linear(module, name, matcher.style(name), unit, rank, tp, load)
@@ -223,6 +241,9 @@ def _shard_merged(
             sizes.append(b - a)
     else:
         raise ValueError(f"the parts {parts} of one merged linear must all be colwise")
+    if styles == {"colwise"}:
+        ranges = tuple((p.start, p.stop) for p in weight_pieces)
+        module.lmengine_tp_shard = TPShard("colwise", tuple(module.output_sizes), ranges)
     module.weight = _meta_param((sum(sizes), module.in_features), module.weight)
     module.out_features = sum(sizes)
     module.output_sizes = sizes
@@ -250,6 +271,7 @@ def _shard_linear(
         size = module.out_features
         what = f"the {size // unit} {'heads' if unit > 1 else 'rows'} of {name}"
         a, b = unit_range(size // unit, unit, rank, tp, what, can_share=unit > 1)
+        module.lmengine_tp_shard = TPShard("colwise", (size,), ((a, b),))
         module.weight = _meta_param((b - a, module.in_features), module.weight)
         load[f"{name}.weight"] = [Piece(f"{name}.weight", 0, a, b)]
         if module.bias is not None:
@@ -260,6 +282,7 @@ def _shard_linear(
     size = module.in_features
     what = f"the {size // unit} input {'heads' if unit > 1 else 'columns'} of {name}"
     a, b = unit_range(size // unit, unit, rank, tp, what, can_share=False)
+    module.lmengine_tp_shard = TPShard("rowwise", (size,), ((a, b),))
     module.weight = _meta_param((module.out_features, b - a), module.weight)
     load[f"{name}.weight"] = [Piece(f"{name}.weight", 1, a, b)]
     if module.bias is not None:
@@ -269,6 +292,67 @@ def _shard_linear(
             module.bias = None
     module.in_features = b - a
     _add_all_reduce(module)
+
+
+def _meta_buffer(shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+    return torch.empty(shape, dtype=like.dtype, device="meta")
+
+
+def _shard_w8a8(
+    module: W8A8Linear,
+    name: str,
+    parent: str,
+    matcher: _PlanMatcher,
+    unit: int,
+    rank: int,
+    tp: int,
+    load: LoadPlan,
+) -> None:
+    """A w8a8 checkpoint stores a merged linear as one tensor (the patched model's names), so
+    a part's rows are a range of it. colwise: the int8 rows, their scales and bias rows split
+    per part; rowwise: the int8 input columns split, scales whole (per output channel), bias
+    whole, the per-token input scale taken over every rank's shard and the int32 accumulators
+    summed before the epilogue (`RowParallelW8A8Linear`)."""
+    from lmengine.distributed.w8a8 import RowParallelW8A8Linear
+
+    names = module.source_names or [name.rpartition(".")[2]]
+    parts = [_prefixed(parent, src) for src in names]
+    styles = {matcher.style(p) for p in parts}
+    buffers = [b for b in ("weight", "weight_scale", "bias") if getattr(module, b) is not None]
+    if styles == {None}:
+        for b in buffers:
+            load[f"{name}.{b}"] = [Piece(f"{name}.{b}", None)]
+        return
+    if styles == {"colwise"}:
+        ranges = []
+        for part, size in zip(parts, module.output_sizes):
+            what = f"the {size // unit} {'heads' if unit > 1 else 'rows'} of {part}"
+            ranges.append(unit_range(size // unit, unit, rank, tp, what, can_share=unit > 1))
+        starts = [sum(module.output_sizes[:i]) for i in range(len(parts))]
+        for b in buffers:
+            load[f"{name}.{b}"] = [
+                Piece(f"{name}.{b}", 0, s + a, s + e) for s, (a, e) in zip(starts, ranges)
+            ]
+        module.lmengine_tp_shard = TPShard("colwise", tuple(module.output_sizes), tuple(ranges))
+        sizes = [e - a for a, e in ranges]
+        for b in buffers:
+            t = getattr(module, b)
+            setattr(module, b, _meta_buffer((sum(sizes), *t.shape[1:]), t))
+        module.out_features, module.output_sizes = sum(sizes), sizes
+        return
+    if styles != {"rowwise"} or len(parts) != 1:
+        raise ValueError(f"the parts {parts} of one merged linear must all be colwise")
+    size = module.in_features
+    what = f"the {size // unit} input {'heads' if unit > 1 else 'columns'} of {name}"
+    a, b = unit_range(size // unit, unit, rank, tp, what, can_share=False)
+    module.lmengine_tp_shard = TPShard("rowwise", (size,), ((a, b),))
+    module.weight = _meta_buffer((module.out_features, b - a), module.weight)
+    load[f"{name}.weight"] = [Piece(f"{name}.weight", 1, a, b)]
+    load[f"{name}.weight_scale"] = [Piece(f"{name}.weight_scale", None)]
+    if module.bias is not None:  # NOTE: added after the sum, by every rank
+        load[f"{name}.bias"] = [Piece(f"{name}.bias", None)]
+    module.in_features = b - a
+    RowParallelW8A8Linear.convert(module)  # it all-reduces its int32 accumulator itself
 
 
 class CheckpointReader:
@@ -337,6 +421,19 @@ def materialize(
         for pname, p in list(module._parameters.items()):
             if p is not None:
                 module._parameters[pname] = new[id(p)]
+    for module_name, module in model.named_modules():  # int8 weights and scales (w8a8)
+        for bname, buf in list(module._buffers.items()):
+            name = f"{module_name}.{bname}" if module_name else bname
+            if buf is None or name not in load:
+                continue
+            parts = [reader.read(p, buf) for p in load[name]]
+            t = parts[0] if len(parts) == 1 else torch.cat(parts)
+            if tuple(t.shape) != tuple(buf.shape):
+                raise ValueError(f"{name}: read {tuple(t.shape)}, expected {tuple(buf.shape)}")
+            module._buffers[bname] = t.to(device)
+    left = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
+    if left:
+        raise ValueError(f"no values loaded for {left[:5]}")
     model.to(device)
     for module in model.modules():
         if isinstance(module, PackedLinear):

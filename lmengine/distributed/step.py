@@ -1,7 +1,7 @@
 """One step's inputs on the wire, and the step every rank runs from them.
 
 Rank 0 flattens what the model needs from a SchedulerOutput (tokens, positions, block tables,
-swaps) into one int64 tensor behind an 8-integer header that gives its layout, and sends both
+swaps) into one int64 tensor behind a 9-integer header that gives its layout, and sends both
 with one `broadcast` of a fixed-size buffer: tensors, never pickled objects. Every rank then
 builds its StepContext from the same StepInputs with the same code, so the ranks cannot
 disagree about a step.
@@ -9,21 +9,23 @@ disagree about a step.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from lmengine.config import EngineConfig
 from lmengine.distributed.comm import all_reduce_min
+from lmengine.distributed.lora import TPLoRAPool
 from lmengine.engine.cache_engine import CacheEngine, CacheSpec, derive_num_blocks
 from lmengine.models.context import StepContext, build_step_context, step_context
 from lmengine.models.model_info import ModelInfo
 from lmengine.scheduler.scheduler import SchedulerOutput
 
-CMD_STEP, CMD_STOP, CMD_GROW = 1, 2, 3
-HEADER_SIZE = 8  # cmd, num_swap_in, num_swap_out, num_copy, num_tokens, num_seqs, num_table_ids,
-# payload size
+CMD_STEP, CMD_STOP, CMD_GROW, CMD_CONTROL = 1, 2, 3, 4
+HEADER_SIZE = 9  # cmd, num_swap_in, num_swap_out, num_copy, num_tokens, num_seqs, num_table_ids,
+# num_lora, payload size (a control message: cmd, zeros, payload size)
 
 
 @dataclass
@@ -38,6 +40,7 @@ class StepInputs:
     q_lens: list[int]  # per sequence: tokens computed this step
     needs_sample: list[bool]  # per sequence
     block_tables: list[list[int]]
+    lora: list[int] = field(default_factory=list)  # TPLoRAPool.encode of the step ([]: none)
 
     @classmethod
     def from_output(cls, out: SchedulerOutput) -> StepInputs:
@@ -63,7 +66,7 @@ class StepInputs:
             *(int(s) for s in self.needs_sample),
             *(len(t) for t in self.block_tables),
         ]
-        rest = torch.tensor(pairs + per_seq + table_ids, dtype=torch.int64)
+        rest = torch.tensor(pairs + per_seq + table_ids + self.lora, dtype=torch.int64)
         payload = torch.cat([rest[: len(pairs)], self.token_ids, rest[len(pairs) :]])
         header = torch.tensor(
             [
@@ -74,6 +77,7 @@ class StepInputs:
                 self.token_ids.numel(),
                 len(self.q_lens),
                 len(table_ids),
+                len(self.lora),
                 payload.numel(),
             ],
             dtype=torch.int64,
@@ -82,7 +86,7 @@ class StepInputs:
 
     @classmethod
     def unpack(cls, header: list[int], payload: torch.Tensor) -> StepInputs:
-        _, n_in, n_out, n_copy, n_tokens, n_seqs, _, _ = header
+        _, n_in, n_out, n_copy, n_tokens, n_seqs, n_table, n_lora, _ = header
         payload = payload.cpu()
         pos = 0
 
@@ -99,13 +103,15 @@ class StepInputs:
         start_pos = take(n_seqs).tolist()
         q_lens = take(n_seqs).tolist()
         needs_sample = [bool(x) for x in take(n_seqs).tolist()]
-        table_ids = payload[pos + n_seqs :].tolist()
+        table_ids = payload[pos + n_seqs : pos + n_seqs + n_table].tolist()
         block_tables, at = [], 0
         for n in take(n_seqs).tolist():
             block_tables.append(table_ids[at : at + n])
             at += n
+        pos += n_table
+        lora = take(n_lora).tolist()
         return cls(
-            swap_in, swap_out, copy, token_ids, start_pos, q_lens, needs_sample, block_tables
+            swap_in, swap_out, copy, token_ids, start_pos, q_lens, needs_sample, block_tables, lora
         )
 
 
@@ -128,7 +134,16 @@ class StepChannel:
             self._broadcast()
             return
         header, payload = inputs.pack()
-        message = torch.cat([header, payload])  # [HEADER_SIZE + n]
+        self._send(torch.cat([header, payload]))  # [HEADER_SIZE + n]
+
+    def send_control(self, message: dict) -> None:
+        """Rank 0: a rare control message between steps (JSON as one int64 per byte)."""
+        payload = torch.tensor(list(json.dumps(message).encode()), dtype=torch.int64)
+        header = torch.zeros(HEADER_SIZE, dtype=torch.int64)
+        header[0], header[-1] = CMD_CONTROL, payload.numel()
+        self._send(torch.cat([header, payload]))
+
+    def _send(self, message: torch.Tensor) -> None:
         if message.numel() > self.buffer.numel():
             size = max(message.numel(), 2 * self.buffer.numel())
             self.buffer[:2] = torch.tensor([CMD_GROW, size])
@@ -137,8 +152,9 @@ class StepChannel:
         self.buffer[: message.numel()].copy_(message)
         self._broadcast()
 
-    def receive(self) -> StepInputs | None:
-        """Other ranks: the next step's inputs, or None when rank 0 says stop."""
+    def receive(self) -> StepInputs | dict | None:
+        """Other ranks: the next step's inputs, a control message (dict), or None when rank 0
+        says stop."""
         while True:
             self._broadcast()
             values = self.buffer.cpu()  # NOTE: one device-to-host copy per step
@@ -149,6 +165,9 @@ class StepChannel:
                 self.buffer = torch.zeros(int(values[1]), dtype=torch.int64, device=self.device)
                 continue
             header = values[:HEADER_SIZE].tolist()
+            if cmd == CMD_CONTROL:
+                data = values[HEADER_SIZE : HEADER_SIZE + header[-1]].tolist()
+                return json.loads(bytes(data).decode())
             return StepInputs.unpack(header, values[HEADER_SIZE : HEADER_SIZE + header[-1]])
 
 
@@ -159,6 +178,7 @@ class RankRunner:
         self.model = model
         self.cache_engine = cache_engine
         self.device = device
+        self.lora = TPLoRAPool(model, device)  # no tensors until an adapter is added
         spec = cache_engine.spec
         self.block_size = spec.block_size
         self.kv_token_bytes = spec.gather_token_bytes
@@ -184,9 +204,16 @@ class RankRunner:
         self.cache_engine.swap_in(inputs.swap_in)
         self.cache_engine.swap_out(inputs.swap_out)
         self.cache_engine.copy(inputs.copy)
+        plan = None
+        if inputs.lora:
+            plan, adapter_ids = self.lora.decode(inputs.lora, len(inputs.q_lens))
+            self.lora.apply(plan)
         if not inputs.q_lens:
             return None
         input_ids, ctx = self.build(inputs)
+        if plan is not None:
+            q_lens = torch.tensor(inputs.q_lens)
+            ctx.lora = self.lora.step(adapter_ids, q_lens, plan)
         with step_context(ctx):
             return self.model(input_ids)
 

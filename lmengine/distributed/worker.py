@@ -86,7 +86,10 @@ def run_worker(
     runner = build_rank_runner(model, info, cfg, device)
     channel = StepChannel(device)
     while (inputs := channel.receive()) is not None:
-        runner.run(inputs)
+        if isinstance(inputs, dict):  # NOTE: a LoRA control message (add an adapter)
+            runner.lora.control(inputs)
+        else:
+            runner.run(inputs)
     dist.destroy_process_group()
     return 0
 

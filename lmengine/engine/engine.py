@@ -281,10 +281,9 @@ class Engine:
 
     def _enable_lora(self, adapters: dict[str, str]) -> None:
         cfg = self.engine_config
-        if cfg.tp > 1 or cfg.quant_policy is not None:
+        if cfg.quant_policy is not None:
             raise ValueError(
-                "LoRA adapters are not supported together with "
-                + ("tp > 1" if cfg.tp > 1 else f"quant_policy={cfg.quant_policy!r}")
+                f"LoRA adapters are not supported together with quant_policy={cfg.quant_policy!r}"
             )
         pool = self.model_agent.lora
         weights = {name: pool.read(path) for name, path in adapters.items()}

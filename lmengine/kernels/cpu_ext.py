@@ -1,4 +1,4 @@
-"""The compiled CPU kernels (lmengine/kernels/csrc/cpu_ops.cpp), built once on first use.
+"""The compiled CPU kernels (lmengine/kernels/csrc/*.cpp, one module), built once on first use.
 
 `load()` returns the module, or None when it cannot be built (no C++ compiler, a torch without
 headers) or `LMENGINE_CPU_EXT=0`: callers then use their PyTorch path. The build goes to the
@@ -19,7 +19,8 @@ import threading
 from pathlib import Path
 from types import ModuleType
 
-_SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_ops.cpp"
+_CSRC = Path(__file__).resolve().parent / "csrc"
+_SOURCES = [_CSRC / "cpu_ops.cpp", _CSRC / "w8a8_ops.cpp"]  # cpu_ops.cpp holds the bindings
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 _lock = threading.Lock()
 _module: ModuleType | None = None
@@ -43,7 +44,8 @@ def _build() -> ModuleType:
     import torch  # noqa: F401 - the extension links against the loaded torch libraries
     from torch.utils.cpp_extension import load as build
 
-    digest = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_CFLAGS).encode()).hexdigest()[:16]
+    sources = b"".join(path.read_bytes() for path in _SOURCES)
+    digest = hashlib.sha256(sources + " ".join(_CFLAGS).encode()).hexdigest()[:16]
     name = f"lmengine_cpu_ops_{digest}"
     root = Path(os.environ.get("LMENGINE_CACHE", Path.home() / ".cache" / "lmengine"))
     build_dir = root / "cpu_ext" / digest
@@ -58,7 +60,7 @@ def _build() -> ModuleType:
         (build_dir / "lock").unlink(missing_ok=True)  # a torch lock left by a killed build
         return build(
             name=name,
-            sources=[str(_SOURCE)],
+            sources=[str(path) for path in _SOURCES],
             extra_cflags=_CFLAGS,
             extra_ldflags=["-fopenmp"],
             build_directory=str(build_dir),

@@ -7,14 +7,18 @@ Numerics (all paths):
 - int8 GEMM: int8 x int8 products accumulated exactly in int32; then `out = acc * a_scale[m] *
   w_scale[n] (+ bias)` in float32, cast to the output dtype.
 
-Each op has a PyTorch reference (`*_ref`), a CPU path (vectorised torch; the GEMM is
-`torch._int_mm`, which uses VNNI int8 dot products on this CPU) and a Triton kernel on CUDA
+Each op has a PyTorch reference (`*_ref`), a CPU path and a Triton kernel on CUDA
 (`lmengine.kernels.triton.w8a8`). The public functions dispatch on the device of their inputs.
+The CPU path is the compiled kernels of `csrc/w8a8_ops.cpp` (one call per quantization or
+linear, bit-identical to the references; the GEMM is `torch._int_mm`, which uses VNNI int8
+dot products on this CPU), or vectorised eager torch where they are not built.
 """
 
 from __future__ import annotations
 
 import torch
+
+from lmengine.kernels import cpu_ext
 
 QMAX = 127
 _MIN_AMAX = 1e-8  # an all-zero row quantizes to zeros with a tiny, finite scale
@@ -39,11 +43,14 @@ def per_token_quant_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def per_token_quant_cpu(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Bit-identical to the reference in fewer passes: no clamp (|x| * 127 / max|x| <= 127
-    rounds to at most 127) and the rounding in place. NOTE: `abs().amax()` is kept over
-    `vector_norm(inf)`, which was 7x slower here (64 x 576, one thread)."""
+    """Bit-identical to the reference: the compiled kernel, else eager torch in fewer passes
+    (no clamp: |x| * 127 / max|x| <= 127 rounds to at most 127; the rounding in place).
+    NOTE: `abs().amax()` is kept over `vector_norm(inf)`, which was 7x slower here."""
     if x.dtype != torch.float32:
         return per_token_quant_ref(x)
+    ops = cpu_ext.load()
+    if ops is not None:
+        return ops.w8a8_quant(x)
     amax = x.abs().amax(dim=-1, keepdim=True)  # [num_tokens, 1]
     amax.clamp_(min=_MIN_AMAX)
     q = torch.mul(x, QMAX / amax).round_().to(torch.int8)  # [num_tokens, hidden]
@@ -180,9 +187,27 @@ def int8_gemm(
         return int8_gemm_triton(a_q, a_scale, w_q, w_scale, bias, out_dtype)
     if a_q.shape[0] == 0:
         return torch.empty(0, w_q.shape[0], dtype=out_dtype)
+    ops = cpu_ext.load()
+    if ops is not None and out_dtype == torch.float32 and _float32_or_none(bias):
+        return ops.w8a8_linear(a_q, a_scale, w_q, w_scale, bias)
     acc = int8_mm_cpu(a_q, w_q)  # [M, N] int32
     out = torch.mul(acc, a_scale)  # int32 * f32 -> f32 [M, N]
     out.mul_(w_scale)
     if bias is not None:
         out.add_(bias)
     return out if out_dtype == torch.float32 else out.to(out_dtype)
+
+
+def _float32_or_none(t: torch.Tensor | None) -> bool:
+    return t is None or t.dtype == torch.float32
+
+
+def w8a8_linear_cpu(
+    x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor | None:
+    """The whole linear on a float32 CPU input in one compiled call (quantize per token,
+    int8 GEMM, dequantize), or None when the compiled kernels cannot take it."""
+    if x.dtype != torch.float32 or x.dim() != 2 or not _float32_or_none(bias):
+        return None
+    ops = cpu_ext.load()
+    return None if ops is None else ops.w8a8_linear_float(x, w_q, w_scale, bias)

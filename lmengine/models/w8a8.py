@@ -14,7 +14,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from lmengine.kernels.w8a8 import QMAX, int8_gemm, per_token_quant, rms_norm_quant
+from lmengine.kernels.w8a8 import (
+    QMAX,
+    int8_gemm,
+    per_token_quant,
+    rms_norm_quant,
+    w8a8_linear_cpu,
+)
 from lmengine.models.llama import PatchedRMSNorm
 
 
@@ -108,6 +114,10 @@ class W8A8Linear(nn.Module):
         if isinstance(x, QuantizedActivation):
             q, scale, dtype = x.data, x.scale, x.dtype
         else:
+            if not x.is_cuda:  # one compiled call: quantize, GEMM, dequantize
+                out = w8a8_linear_cpu(x, self.weight, self.weight_scale, self.bias)
+                if out is not None:
+                    return out
             q, scale = per_token_quant(x)  # [num_tokens, in] int8, [num_tokens, 1]
             dtype = x.dtype
         return int8_gemm(q, scale, self.weight, self.weight_scale, self.bias, dtype)

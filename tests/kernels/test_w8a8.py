@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lmengine.kernels import cpu_ext
 from lmengine.kernels.rms_norm import rms_norm_ref
 from lmengine.kernels.w8a8 import (
     int8_gemm,
@@ -19,12 +20,24 @@ from lmengine.kernels.w8a8 import (
     per_token_quant_ref,
     rms_norm_quant,
     rms_norm_quant_ref,
+    w8a8_linear_cpu,
 )
 
 EPS = 1e-6
 ROW_SHAPES = [(1, 8), (5, 100), (3, 256)]  # one row, hidden not a power of two, typical
 # (M, N, K): one row (decode), M not a multiple of the tile, K not a multiple of BLOCK_K
 GEMM_SHAPES = [(1, 48, 64), (5, 70, 100), (33, 130, 200)]
+
+
+@pytest.fixture(params=["compiled", "eager"])
+def cpu_path(request, monkeypatch):
+    """Run a CPU test through the compiled kernels (csrc/w8a8_ops.cpp), then through the eager
+    torch fallback used where they are not built."""
+    if request.param == "compiled":
+        assert cpu_ext.load() is not None, "the compiled CPU kernels did not build"
+    else:
+        monkeypatch.setattr(cpu_ext, "load", lambda: None)
+    return request.param
 
 
 def _rows(shape, dtype=torch.float32, seed=0) -> torch.Tensor:
@@ -62,7 +75,7 @@ def test_per_token_quant_zero_row_is_finite():
 
 @pytest.mark.parametrize("shape", ROW_SHAPES + [(64, 1536)])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_per_token_quant_cpu_is_reference(shape, seed):
+def test_per_token_quant_cpu_is_reference(shape, seed, cpu_path):
     x = _rows(shape, seed=seed)
     x[-1] = 0.0  # an all-zero row
     q, scale = per_token_quant(x)
@@ -118,7 +131,7 @@ def test_rms_norm_quant_reference_is_norm_then_quant(shape, with_residual):
 
 @pytest.mark.parametrize("shape", ROW_SHAPES)
 @pytest.mark.parametrize("with_residual", [False, True])
-def test_rms_norm_quant_cpu_is_reference(shape, with_residual):
+def test_rms_norm_quant_cpu_is_reference(shape, with_residual, cpu_path):
     x, residual, weight = _norm_inputs(shape, torch.float32, seed=1)
     res = residual if with_residual else None
     q, scale, summed = rms_norm_quant(x, weight, EPS, res)
@@ -175,7 +188,7 @@ def test_int8_mm_extreme_values_do_not_overflow():
 @pytest.mark.parametrize("shape", GEMM_SHAPES)
 @pytest.mark.parametrize("has_bias", [False, True])
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
-def test_int8_gemm_cpu_matches_reference(shape, has_bias, out_dtype):
+def test_int8_gemm_cpu_matches_reference(shape, has_bias, out_dtype, cpu_path):
     m, n, k = shape
     gen = torch.Generator().manual_seed(3)
     a, w = _int8((m, k), 0), _int8((n, k), 1)
@@ -192,6 +205,20 @@ def test_int8_gemm_cpu_matches_reference(shape, has_bias, out_dtype):
         dense += bias.double()
     rtol = 1e-5 if out_dtype == torch.float32 else 1e-2
     torch.testing.assert_close(out.double(), dense.to(out_dtype).double(), rtol=rtol, atol=1e-3)
+
+
+@pytest.mark.parametrize("shape", GEMM_SHAPES + [(0, 16, 32)])
+@pytest.mark.parametrize("has_bias", [False, True])
+def test_fused_float_input_linear_is_quant_then_gemm(shape, has_bias):
+    """The one-call linear on a float input equals quantize-then-GEMM of the references."""
+    m, n, k = shape
+    x = _rows((m, k), seed=4) if m else torch.zeros(0, k)
+    w, w_scale = _int8((n, k), 5), torch.rand(n, generator=torch.Generator().manual_seed(6))
+    bias = torch.randn(n) if has_bias else None
+    out = w8a8_linear_cpu(x, w, w_scale, bias)
+    assert out is not None, "the compiled CPU kernels did not build"
+    assert torch.equal(out, int8_gemm_ref(*per_token_quant_ref(x), w, w_scale, bias))
+    assert w8a8_linear_cpu(x.to(torch.bfloat16), w, w_scale, bias) is None  # float32 only
 
 
 @pytest.mark.parametrize("shape", GEMM_SHAPES)
