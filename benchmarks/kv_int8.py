@@ -110,7 +110,7 @@ def kernel_ms(model: str | None, context: int, repeat: int) -> dict[str, float]:
         return {}
     info = ModelInfo.from_hf(AutoConfig.from_pretrained(resolve_model_path(model)))
     seqs, bs = 32, 16
-    kv, heads, d = info.num_kv_heads, info.num_attention_heads, info.head_dim
+    kv, heads, d = info.num_kv_heads, info.num_heads, info.head_dim
     blocks = seqs * (-(-context // bs))
     gen = torch.Generator().manual_seed(0)
     kc, vc = (torch.randn(blocks, bs, kv, d, generator=gen) for _ in range(2))
@@ -141,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--windows", type=int, default=8, help="perplexity windows of 128 tokens")
     p.add_argument("--kernel-context", type=int, default=1024)
     p.add_argument("--kernel-repeat", type=int, default=30)
+    p.add_argument("--kernel-only", action="store_true", help="only the decode-kernel timing")
     p.add_argument("--quick", action="store_true", help="small sizes: a smoke test")
     args = p.parse_args(argv)
     if args.quick:
@@ -148,6 +149,20 @@ def main(argv: list[str] | None = None) -> int:
         args.prompt_len, args.max_new_tokens = 16, 16
         args.kernel_context, args.kernel_repeat = 256, 5
     print(f"# {' '.join(sys.argv)}")
+    if not args.kernel_only:
+        workload(args)
+    ms = kernel_ms(args.model, args.kernel_context, args.kernel_repeat)
+    if ms:
+        print(
+            f"\ncompiled decode kernel, 32 sequences x {args.kernel_context} keys: float32 "
+            f"{ms['float32']:.2f} ms, int8 {ms['int8']:.2f} ms "
+            f"(int8/float32 {ms['int8'] / ms['float32']:.2f}x)",
+            flush=True,
+        )
+    return 0
+
+
+def workload(args) -> None:
     res = {kv: run_mode(args.model, kv, args) for kv in ("auto", "int8")}
     print(
         f"KV budget {args.kv_mib} MiB; {args.num_requests} requests of {args.prompt_len} prompt "
@@ -169,15 +184,6 @@ def main(argv: list[str] | None = None) -> int:
         f"{100 * (b['ppl'] / a['ppl'] - 1):+.2f} % |",
         flush=True,
     )
-    ms = kernel_ms(args.model, args.kernel_context, args.kernel_repeat)
-    if ms:
-        print(
-            f"\ncompiled decode kernel, 32 sequences x {args.kernel_context} keys: float32 "
-            f"{ms['float32']:.2f} ms, int8 {ms['int8']:.2f} ms "
-            f"(int8/float32 {ms['int8'] / ms['float32']:.2f}x)",
-            flush=True,
-        )
-    return 0
 
 
 if __name__ == "__main__":
