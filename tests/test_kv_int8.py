@@ -58,6 +58,22 @@ def test_block_bytes_count_the_scales(monkeypatch):
     assert q8 == (1 << 29) // int8.block_bytes and 3.7 < q8 / fp32 < 3.8
 
 
+def test_cache_engine_moves_scales_with_their_blocks():
+    spec = CacheSpec(2, 2, 8, 4, torch.float32, "int8")
+    cache = ce.CacheEngine(spec, num_gpu_blocks=6, num_cpu_blocks=3, device=torch.device("cpu"))
+    for layer in cache.kv_caches:
+        assert [tuple(t.shape) for t in layer] == [(6, 4, 2, 8)] * 2 + [(6, 4, 2)] * 2
+        for t in layer:
+            t.copy_(torch.randint(-127, 128, t.shape).to(t.dtype))
+    before = [[t.clone() for t in layer] for layer in cache.kv_caches]
+    cache.swap_out([(1, 0), (4, 2)])
+    cache.copy([(1, 5)])
+    cache.swap_in([(2, 0), (0, 3)])  # device 0 <- old block 4, device 3 <- old block 1
+    for layer, old in zip(cache.kv_caches, before):
+        for t, t0 in zip(layer, old):
+            assert torch.equal(t[[0, 3, 5]], t0[[4, 1, 1]]) and torch.equal(t[2], t0[2])
+
+
 def _all_logits(engine: Engine, seqs: list[list[int]]) -> torch.Tensor:
     """Teacher-forced logits of every position of every sequence, one packed prefill through
     the engine's cache (blocks 0.. of an idle engine, as lmengine.quant.eval does)."""
