@@ -12,6 +12,7 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 DEVICES = ("auto", "cuda", "cpu")
 EVICTION_TYPES = ("recompute", "swap")
 QUANT_POLICIES = (None, "w8a8")
+KV_CACHE_DTYPES = ("auto", "int8")
 SPECULATIVE_METHODS = ("ngram", "draft_model")
 _EARLY_STOP = {"true": True, "false": False, "never": "never"}  # GenerationConfig.early_stopping
 
@@ -126,6 +127,7 @@ class EngineConfig:
     max_lora_rank: int = 0  # 0 = the largest rank among `adapters` (16 when there are none)
     quant_policy: str | None = None  # "w8a8": int8 weights+activations (float ckpt: no smoothing)
     enable_prefix_caching: bool = False
+    kv_cache_dtype: str = "auto"  # "auto": K/V in the model dtype; "int8": int8 + per-token scales
     # speculative decoding: a SpeculativeConfig, dict, JSON object or "ngram"; None = off
     speculative: SpeculativeConfig | str | None = None
     num_threads: int = 0  # CPU: torch intra-op threads; 0 = all cores
@@ -154,6 +156,7 @@ class EngineConfig:
         _check_int("max_lora_slots", self.max_lora_slots, 1)
         _check_choice("quant_policy", self.quant_policy, QUANT_POLICIES)
         _check_int("num_threads", self.num_threads, 0)
+        _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         if self.adapters is not None and not (
             isinstance(self.adapters, dict)
             and all(isinstance(k, str) and k for k in self.adapters)

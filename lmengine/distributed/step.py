@@ -181,7 +181,7 @@ class RankRunner:
         self.lora = TPLoRAPool(model, device)  # no tensors until an adapter is added
         spec = cache_engine.spec
         self.block_size = spec.block_size
-        self.kv_token_bytes = spec.block_bytes // (spec.num_layers * spec.block_size)
+        self.kv_token_bytes = spec.gather_token_bytes
 
     def build(self, inputs: StepInputs) -> tuple[torch.Tensor, StepContext]:
         """Pack the scheduled chunks into one token sequence and build the step context."""
@@ -226,7 +226,9 @@ def build_rank_runner(
     Collective: every rank calls it once, after the process group is up."""
     num_kv_heads = max(1, info.num_kv_heads // cfg.tp)  # fewer KV heads than ranks: shared
     dtype = next(model.parameters()).dtype
-    spec = CacheSpec(info.num_layers, num_kv_heads, info.head_dim, cfg.block_size, dtype)
+    spec = CacheSpec(
+        info.num_layers, num_kv_heads, info.head_dim, cfg.block_size, dtype, cfg.kv_cache_dtype
+    )
     num_blocks = cfg.num_gpu_blocks
     if not num_blocks:
         # NOTE: on CPU the ranks share one RAM, so each takes its share of the fraction

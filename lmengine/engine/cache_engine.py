@@ -2,6 +2,11 @@
 
 It never decides anything: block ids come from the Scheduler's BlockManager, and the swaps and
 copies it performs are the ones a SchedulerOutput lists.
+
+Each layer's cache is a tuple of tensors indexed by block id on their first dimension:
+(k, v) in the model's dtype, or with kv_cache_dtype="int8" (k, v, k_scale, v_scale): int8
+pages and one float32 scale per (slot, KV head) (lmengine/kernels/kv_quant.py). Swaps and
+copies move every tensor of the tuple, so the scales always travel with their blocks.
 """
 
 from __future__ import annotations
@@ -19,13 +24,35 @@ class CacheSpec:
     num_kv_heads: int
     head_dim: int
     block_size: int
-    dtype: torch.dtype
+    dtype: torch.dtype  # the model's (compute) dtype
+    kv_cache_dtype: str = "auto"  # "auto": K/V stored in `dtype`; "int8": int8 + scales
+
+    @property
+    def quantized(self) -> bool:
+        return self.kv_cache_dtype == "int8"
 
     @property
     def block_bytes(self) -> int:
-        """Bytes of one block across all layers, keys and values."""
+        """Bytes of one block across all layers, keys and values (and their scales)."""
+        if self.quantized:
+            row = self.head_dim + 4  # int8 values and one float32 scale per (slot, head)
+        else:
+            row = self.head_dim * torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * row
+
+    @property
+    def gather_token_bytes(self) -> int:
+        """K + V bytes of one token in one layer once read for attention, in `dtype` (what the
+        CPU gather path materialises, int8 or not)."""
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+        return 2 * self.num_kv_heads * self.head_dim * elem
+
+    def layer_tensors(self, num_blocks: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """(shape, dtype) of each tensor of one layer's cache tuple for `num_blocks` blocks."""
+        page = (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        if not self.quantized:
+            return [(page, self.dtype)] * 2
+        return [(page, torch.int8)] * 2 + [(page[:3], torch.float32)] * 2
 
 
 def free_memory_bytes(device: torch.device) -> int:
@@ -58,7 +85,8 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 
 
 class CacheEngine:
-    """Per-layer K and V tensors, [num_blocks, block_size, num_kv_heads, head_dim]."""
+    """Per-layer K and V tensors, [num_blocks, block_size, num_kv_heads, head_dim] (int8 KV:
+    plus K and V scales, [num_blocks, block_size, num_kv_heads] float32)."""
 
     def __init__(
         self, spec: CacheSpec, num_gpu_blocks: int, num_cpu_blocks: int, device: torch.device
@@ -67,20 +95,15 @@ class CacheEngine:
         self.device = device
         self.num_gpu_blocks = num_gpu_blocks
         self.num_cpu_blocks = num_cpu_blocks
-        shape = (spec.block_size, spec.num_kv_heads, spec.head_dim)
+        device_layer = spec.layer_tensors(num_gpu_blocks)
         self.kv_caches = [
-            (
-                _zeros((num_gpu_blocks, *shape), spec.dtype, device),
-                _zeros((num_gpu_blocks, *shape), spec.dtype, device),
-            )
+            tuple(_zeros(shape, dtype, device) for shape, dtype in device_layer)
             for _ in range(spec.num_layers)
         ]
         pin = device.type == "cuda"
+        host_layer = spec.layer_tensors(num_cpu_blocks)
         self.host_caches = [
-            (
-                torch.zeros(num_cpu_blocks, *shape, dtype=spec.dtype, pin_memory=pin),
-                torch.zeros(num_cpu_blocks, *shape, dtype=spec.dtype, pin_memory=pin),
-            )
+            tuple(torch.zeros(shape, dtype=dtype, pin_memory=pin) for shape, dtype in host_layer)
             for _ in range(spec.num_layers if num_cpu_blocks else 0)
         ]
 
@@ -91,8 +114,8 @@ class CacheEngine:
         dst_ids = torch.tensor([p[1] for p in pairs])
         # NOTE: index_copy_, not `dst[ids] = ...`: on CPU that index_put took ~10 ms per
         # tensor of a 20k-block pool whatever the number of blocks moved (index_copy_: 0.02 ms)
-        for src_kv, dst_kv in zip(src_caches, dst_caches):
-            for src, dst in zip(src_kv, dst_kv):  # K, then V
+        for src_layer, dst_layer in zip(src_caches, dst_caches):
+            for src, dst in zip(src_layer, dst_layer):  # K, V (and their scales)
                 moved = src.index_select(0, src_ids.to(src.device)).to(dst.device)
                 dst.index_copy_(0, dst_ids.to(dst.device), moved)
 

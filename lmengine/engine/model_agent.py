@@ -45,7 +45,14 @@ class ModelAgent:
         self.device = device
         self.block_size = engine_config.block_size
         dtype = next(model.parameters()).dtype
-        spec = CacheSpec(info.num_layers, info.num_kv_heads, info.head_dim, self.block_size, dtype)
+        spec = CacheSpec(
+            info.num_layers,
+            info.num_kv_heads,
+            info.head_dim,
+            self.block_size,
+            dtype,
+            engine_config.kv_cache_dtype,
+        )
         self.sampler = Sampler(info.eos_token_ids, device)
         speculative = engine_config.speculative
         draft = None
@@ -59,7 +66,7 @@ class ModelAgent:
         if num_gpu_blocks < 1:
             raise ValueError("no memory left for even one KV block: lower the model size")
         self.cache_engine = CacheEngine(spec, num_gpu_blocks, engine_config.num_cpu_blocks, device)
-        self.kv_token_bytes = spec.block_bytes // (spec.num_layers * spec.block_size)
+        self.kv_token_bytes = spec.gather_token_bytes
         self.lora = LoRAPool(self.model, device)  # no tensors until an adapter is added
         if speculative is not None:
             self.verifier = Verifier(self.sampler)
@@ -74,7 +81,7 @@ class ModelAgent:
                     engine_config.num_cpu_blocks,
                     self.sampler,
                     device,
-                    draft_spec.block_bytes // (draft_spec.num_layers * draft_spec.block_size),
+                    draft_spec.gather_token_bytes,
                 )
 
     @property
@@ -182,5 +189,6 @@ def load_draft_model(
         draft_info.head_dim,
         engine_config.block_size,
         dtype,
+        engine_config.kv_cache_dtype,
     )
     return model, spec

@@ -10,6 +10,11 @@ With `sliding_window=W` query at position p sees only keys `p-W+1..p` (transform
 masking (Gemma 2). Both are per call, so alternating layers share one AttentionMetadata.
 
 GQA is handled by grouping query heads per KV head, never by repeating the cache.
+
+An int8 cache (k_cache.dtype == torch.int8) comes with `k_scale` / `v_scale`,
+[num_blocks, block_size, num_kv_heads] float32 (lmengine.kernels.kv_quant): the CPU path
+dequantizes the blocks it gathers, the compiled decode kernel and the Triton kernel dequantize
+each key and value row as they read it.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from lmengine.kernels import cpu_ext
+from lmengine.kernels.kv_quant import dequantize_kv, dequantize_kv_ref
 
 
 @dataclass
@@ -188,12 +194,18 @@ def paged_attention_ref(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Plain per-sequence reference.
 
     q: [num_tokens, num_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size,
-    num_kv_heads, head_dim] -> [num_tokens, num_heads, head_dim].
+    num_kv_heads, head_dim] (int8 with k_scale, v_scale: [num_blocks, block_size,
+    num_kv_heads]) -> [num_tokens, num_heads, head_dim].
     """
+    if k_scale is not None:
+        k_cache = dequantize_kv_ref(k_cache, k_scale)
+        v_cache = dequantize_kv_ref(v_cache, v_scale)
     out = torch.empty_like(q)
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
     bs = k_cache.shape[1]
@@ -243,20 +255,29 @@ def paged_attention_cpu(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Vectorised CPU path: one padded SDPA call per group (decodes, prefills)."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group_size = num_heads // num_kv_heads
     out = None
-    kernel = _decode_kernel() if q.dtype == torch.float32 else None
+    quantized = k_scale is not None
+    kernel = None
+    if q.dtype == torch.float32:
+        kernel = _decode_kernel_int8() if quantized else _decode_kernel()
     for plan in meta.groups:
         n, max_q = plan.q_index.shape
         if kernel is not None and plan.decode_tables is not None:
             qd = q if plan.is_identity else q[plan.q_index[:, 0]]  # [n, heads, d]
             tables, kv_lens = plan.decode_tables, plan.decode_kv_lens
             window, cap = sliding_window or 0, softcap or 0.0  # 0: none
-            res = kernel(qd.contiguous(), k_cache, v_cache, tables, kv_lens, scale, window, cap)
+            if quantized:
+                caches = (k_cache, v_cache, k_scale, v_scale)
+                res = kernel(qd.contiguous(), *caches, tables, kv_lens, scale, window, cap)
+            else:
+                res = kernel(qd.contiguous(), k_cache, v_cache, tables, kv_lens, scale, window, cap)
             if plan.is_identity:
                 return res
             if out is None:
@@ -266,6 +287,11 @@ def paged_attention_cpu(
         # [n * max_blocks, bs, kv_heads, d] -> [n, kv_heads, max_blocks * bs, d]
         kg = k_cache.index_select(0, plan.kv_blocks).view(n, -1, num_kv_heads, head_dim)
         vg = v_cache.index_select(0, plan.kv_blocks).view(n, -1, num_kv_heads, head_dim)
+        if quantized:
+            # int8 blocks and their scales [n, max_blocks * bs, kv_heads] -> q's dtype
+            ks = k_scale.index_select(0, plan.kv_blocks).view(n, -1, num_kv_heads)
+            vs = v_scale.index_select(0, plan.kv_blocks).view(n, -1, num_kv_heads)
+            kg, vg = dequantize_kv(kg, ks, q.dtype), dequantize_kv(vg, vs, q.dtype)
         kg, vg = kg.transpose(1, 2), vg.transpose(1, 2)
         if plan.is_fresh and sliding_window is None and softcap is None:
             # NOTE: whole prompts, right-padded: top-left causal masking is exact for the real
@@ -302,6 +328,12 @@ def _decode_kernel():
     return None if module is None else module.paged_decode_attention
 
 
+def _decode_kernel_int8():
+    """Its int8-cache variant (dequantizes block by block as it reads), or None."""
+    module = cpu_ext.load()
+    return None if module is None else getattr(module, "paged_decode_attention_int8", None)
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -310,10 +342,15 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, head_dim].
 
-    `sliding_window` (keys per query, >= 1) and `softcap` (> 0) are optional; None = off."""
+    `sliding_window` (keys per query, >= 1) and `softcap` (> 0) are optional; None = off.
+    An int8 cache needs `k_scale` and `v_scale` ([num_blocks, block_size, num_kv_heads])."""
+    if (k_cache.dtype == torch.int8) != (k_scale is not None and v_scale is not None):
+        raise ValueError("paged_attention: an int8 cache needs k_scale and v_scale, and only it")
     if q.shape[1] % k_cache.shape[2] != 0:
         raise ValueError(
             f"paged_attention: {q.shape[1]} query heads not a multiple of "
@@ -326,7 +363,11 @@ def paged_attention(
     if q.is_cuda:
         from lmengine.kernels.triton.paged_attention import paged_attention_triton
 
-        return paged_attention_triton(q, k_cache, v_cache, meta, scale, sliding_window, softcap)
+        return paged_attention_triton(
+            q, k_cache, v_cache, meta, scale, sliding_window, softcap, k_scale, v_scale
+        )
     if not meta.groups:
         raise ValueError("paged_attention: metadata was built for another device than the CPU")
-    return paged_attention_cpu(q, k_cache, v_cache, meta, scale, sliding_window, softcap)
+    return paged_attention_cpu(
+        q, k_cache, v_cache, meta, scale, sliding_window, softcap, k_scale, v_scale
+    )

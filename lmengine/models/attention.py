@@ -59,8 +59,9 @@ class PagedAttentionMixin:
         q, k = self.norm_qk(q, k)
         if ctx.cos is not None:
             q, k = apply_partial_rotary(q, k, ctx.cos, ctx.sin)
-        k_cache, v_cache = ctx.kv_caches[self.layer_idx]
-        fill_kv_cache(k, v, k_cache, v_cache, ctx.slot_mapping)
+        # (k, v), or (k, v, k_scale, v_scale) with an int8 cache
+        k_cache, v_cache, *scales = ctx.kv_caches[self.layer_idx]
+        fill_kv_cache(k, v, k_cache, v_cache, ctx.slot_mapping, *scales)
         out = paged_attention(
             q,
             k_cache,
@@ -69,5 +70,6 @@ class PagedAttentionMixin:
             self.scaling if scale is None else scale,
             self.sliding_window,
             self.attn_logit_softcapping,
+            *scales,
         )
         return out.view(num_tokens, -1)

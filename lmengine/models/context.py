@@ -21,7 +21,8 @@ class StepContext:
     positions: torch.Tensor  # [num_tokens] int64, position of each packed token
     slot_mapping: torch.Tensor  # [num_tokens] int64, flat cache slot each token's KV goes to
     attn_meta: AttentionMetadata  # per-sequence lengths, block tables, CPU gather plans
-    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer, [blocks, bs, kv_heads, d]
+    # per layer (k, v) [blocks, bs, kv_heads, d]; int8 KV: (k, v, k_scale, v_scale)
+    kv_caches: list[tuple[torch.Tensor, ...]]
     logits_indices: torch.Tensor  # [num_samples] packed rows whose logits are needed
     cos: torch.Tensor | None = None  # [num_tokens, head_dim], set by the patched model
     sin: torch.Tensor | None = None
@@ -53,7 +54,7 @@ def build_step_context(
     block_tables: list[list[int]],
     needs_sample: list[bool],
     block_size: int,
-    kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    kv_caches: list[tuple[torch.Tensor, ...]],
     device: torch.device,
     kv_token_bytes: int = 0,
     num_logits: list[int] | None = None,

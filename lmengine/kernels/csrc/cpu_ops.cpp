@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -26,6 +27,131 @@ inline float dot(const float* __restrict a, const float* __restrict b, int64_t n
 #pragma omp simd reduction(+ : s)
   for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
   return s;
+}
+
+void check_int8_cache(const at::Tensor& cache, const at::Tensor& scale, const char* name) {
+  TORCH_CHECK(cache.device().is_cpu() && cache.scalar_type() == at::kChar && cache.is_contiguous(),
+              name, " must be a contiguous int8 CPU tensor");
+  TORCH_CHECK(scale.device().is_cpu() && scale.scalar_type() == at::kFloat &&
+                  scale.is_contiguous() && scale.dim() == 3 && scale.size(0) == cache.size(0) &&
+                  scale.size(1) == cache.size(1) && scale.size(2) == cache.size(2),
+              name, " scales must be contiguous float32 [num_blocks, block_size, num_kv_heads]");
+}
+
+// The decode loop, for a float32 cache (Cache = float, no scales) or an int8 cache (Cache =
+// int8_t, one float32 scale per (slot, KV head) in k_scale / v_scale). The int8 variant
+// dequantizes each block's K and V rows of one KV head once into a small float buffer (it stays
+// in L1) and then runs the float32 loop on it, so the GQA group's query heads share the
+// conversion; the float32 variant reads the cache directly.
+template <typename Cache>
+void decode_loop(const float* q_ptr, const Cache* k_ptr, const Cache* v_ptr, const float* ks_ptr,
+                 const float* vs_ptr, const int32_t* table_ptr, const int32_t* len_ptr,
+                 float* out_ptr, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                 int64_t head_dim, int64_t block_size, int64_t max_blocks, float fscale,
+                 float fcap, int64_t sliding_window) {
+  constexpr bool kQuant = std::is_same<Cache, int8_t>::value;
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t token_stride = num_kv_heads * head_dim;  // between tokens of one block
+  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(group * block_size);
+    std::vector<float> acc(group * head_dim);
+    std::vector<float> run_max(group), run_sum(group);
+    std::vector<float> k_buf(kQuant ? block_size * head_dim : 0);
+    std::vector<float> v_buf(kQuant ? block_size * head_dim : 0);
+    for (int64_t job = begin; job < end; ++job) {
+      const int64_t seq = job / num_kv_heads, kv_head = job % num_kv_heads;
+      const int64_t kv_len = len_ptr[seq];
+      TORCH_CHECK(kv_len > 0 && kv_len <= max_blocks * block_size, "kv_len out of range");
+      const float* q_group = q_ptr + (seq * num_heads + kv_head * group) * head_dim;
+      std::fill(acc.begin(), acc.end(), 0.f);
+      std::fill(run_max.begin(), run_max.end(), -std::numeric_limits<float>::infinity());
+      std::fill(run_sum.begin(), run_sum.end(), 0.f);
+      // keys first_key .. kv_len - 1 are visible
+      const int64_t first_key = sliding_window > 0 ? std::max<int64_t>(0, kv_len - sliding_window) : 0;
+      for (int64_t blk = first_key / block_size; blk * block_size < kv_len; ++blk) {
+        const int64_t block_id = table_ptr[seq * max_blocks + blk];
+        const int64_t first = std::max<int64_t>(first_key - blk * block_size, 0);
+        const int64_t num_keys = std::min(block_size, kv_len - blk * block_size) - first;
+        const int64_t row = (block_id * block_size + first) * num_kv_heads + kv_head;
+        const float* k_block;
+        const float* v_block;
+        int64_t stride;  // between the keys of k_block / v_block
+        if constexpr (kQuant) {
+          for (int64_t t = 0; t < num_keys; ++t) {
+            const int64_t r = row + t * num_kv_heads;  // (slot, KV head) row
+            const int8_t* kt = k_ptr + r * head_dim;
+            const int8_t* vt = v_ptr + r * head_dim;
+            const float ks = ks_ptr[r], vs = vs_ptr[r];
+            float* kd = k_buf.data() + t * head_dim;
+            float* vd = v_buf.data() + t * head_dim;
+#pragma omp simd
+            for (int64_t i = 0; i < head_dim; ++i) {
+              kd[i] = static_cast<float>(kt[i]) * ks;
+              vd[i] = static_cast<float>(vt[i]) * vs;
+            }
+          }
+          k_block = k_buf.data();
+          v_block = v_buf.data();
+          stride = head_dim;
+        } else {
+          k_block = k_ptr + row * head_dim;
+          v_block = v_ptr + row * head_dim;
+          stride = token_stride;
+        }
+        for (int64_t g = 0; g < group; ++g) {
+          const float* qg = q_group + g * head_dim;
+          float* sg = scores.data() + g * block_size;
+          float block_max = -std::numeric_limits<float>::infinity();
+          for (int64_t t = 0; t < num_keys; ++t) {
+            sg[t] = dot(qg, k_block + t * stride, head_dim) * fscale;
+            if (fcap > 0.f) sg[t] = fcap * std::tanh(sg[t] / fcap);
+            block_max = std::max(block_max, sg[t]);
+          }
+          const float new_max = std::max(run_max[g], block_max);
+          const float correction = std::exp(run_max[g] - new_max);
+          float* ag = acc.data() + g * head_dim;
+          float block_sum = 0.f;
+          for (int64_t t = 0; t < num_keys; ++t) {
+            sg[t] = std::exp(sg[t] - new_max);
+            block_sum += sg[t];
+          }
+#pragma omp simd
+          for (int64_t i = 0; i < head_dim; ++i) ag[i] *= correction;
+          for (int64_t t = 0; t < num_keys; ++t) {
+            const float p = sg[t];
+            const float* vt = v_block + t * stride;
+#pragma omp simd
+            for (int64_t i = 0; i < head_dim; ++i) ag[i] += p * vt[i];
+          }
+          run_sum[g] = run_sum[g] * correction + block_sum;
+          run_max[g] = new_max;
+        }
+      }
+      float* o_group = out_ptr + (seq * num_heads + kv_head * group) * head_dim;
+      for (int64_t g = 0; g < group; ++g) {
+        const float inv = 1.f / run_sum[g];
+#pragma omp simd
+        for (int64_t i = 0; i < head_dim; ++i) o_group[g * head_dim + i] = acc[g * head_dim + i] * inv;
+      }
+    }
+  });
+}
+
+void check_decode_inputs(const at::Tensor& q, const at::Tensor& k_cache,
+                         const at::Tensor& v_cache, const at::Tensor& block_tables,
+                         const at::Tensor& kv_lens, int64_t sliding_window, double softcap) {
+  check_cpu_f32(q, "q");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous(),
+              "block_tables must be contiguous int32");
+  TORCH_CHECK(kv_lens.scalar_type() == at::kInt && kv_lens.is_contiguous(),
+              "kv_lens must be contiguous int32");
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
+              "bad shapes");
+  TORCH_CHECK(k_cache.size(3) == q.size(2), "head_dim of q and cache differ");
+  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "heads not a multiple of KV heads");
+  TORCH_CHECK(block_tables.size(0) == q.size(0) && kv_lens.size(0) == q.size(0),
+              "one block table and kv_len per sequence");
+  TORCH_CHECK(sliding_window >= 0 && softcap >= 0, "sliding_window and softcap must be >= 0");
 }
 
 }  // namespace
@@ -44,93 +170,35 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
                                   const at::Tensor& v_cache, const at::Tensor& block_tables,
                                   const at::Tensor& kv_lens, double scale,
                                   int64_t sliding_window, double softcap) {
-  check_cpu_f32(q, "q");
   check_cpu_f32(k_cache, "k_cache");
   check_cpu_f32(v_cache, "v_cache");
-  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous(),
-              "block_tables must be contiguous int32");
-  TORCH_CHECK(kv_lens.scalar_type() == at::kInt && kv_lens.is_contiguous(),
-              "kv_lens must be contiguous int32");
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
-              "bad shapes");
-  const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
-  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == head_dim, "head_dim of q and cache differ");
-  TORCH_CHECK(num_heads % num_kv_heads == 0, "heads not a multiple of KV heads");
-  TORCH_CHECK(block_tables.size(0) == num_seqs && kv_lens.size(0) == num_seqs,
-              "one block table and kv_len per sequence");
-  const int64_t group = num_heads / num_kv_heads;
-  const int64_t max_blocks = block_tables.size(1);
-  const int64_t token_stride = num_kv_heads * head_dim;  // between tokens of one block
+  check_decode_inputs(q, k_cache, v_cache, block_tables, kv_lens, sliding_window, softcap);
   auto out = at::empty_like(q);
-  const float* q_ptr = q.data_ptr<float>();
-  const float* k_ptr = k_cache.data_ptr<float>();
-  const float* v_ptr = v_cache.data_ptr<float>();
-  const int32_t* table_ptr = block_tables.data_ptr<int32_t>();
-  const int32_t* len_ptr = kv_lens.data_ptr<int32_t>();
-  float* out_ptr = out.data_ptr<float>();
-  const float fscale = static_cast<float>(scale);
-  const float fcap = static_cast<float>(softcap);
-  TORCH_CHECK(sliding_window >= 0 && softcap >= 0, "sliding_window and softcap must be >= 0");
+  decode_loop<float>(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
+                     nullptr, nullptr, block_tables.data_ptr<int32_t>(),
+                     kv_lens.data_ptr<int32_t>(), out.data_ptr<float>(), q.size(0), q.size(1),
+                     k_cache.size(2), q.size(2), k_cache.size(1), block_tables.size(1),
+                     static_cast<float>(scale), static_cast<float>(softcap), sliding_window);
+  return out;
+}
 
-  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(group * block_size);
-    std::vector<float> acc(group * head_dim);
-    std::vector<float> run_max(group), run_sum(group);
-    for (int64_t job = begin; job < end; ++job) {
-      const int64_t seq = job / num_kv_heads, kv_head = job % num_kv_heads;
-      const int64_t kv_len = len_ptr[seq];
-      TORCH_CHECK(kv_len > 0 && kv_len <= max_blocks * block_size, "kv_len out of range");
-      const float* q_group = q_ptr + (seq * num_heads + kv_head * group) * head_dim;
-      std::fill(acc.begin(), acc.end(), 0.f);
-      std::fill(run_max.begin(), run_max.end(), -std::numeric_limits<float>::infinity());
-      std::fill(run_sum.begin(), run_sum.end(), 0.f);
-      // keys first_key .. kv_len - 1 are visible
-      const int64_t first_key = sliding_window > 0 ? std::max<int64_t>(0, kv_len - sliding_window) : 0;
-      for (int64_t blk = first_key / block_size; blk * block_size < kv_len; ++blk) {
-        const int64_t block_id = table_ptr[seq * max_blocks + blk];
-        const int64_t first = std::max<int64_t>(first_key - blk * block_size, 0);
-        const int64_t num_keys = std::min(block_size, kv_len - blk * block_size) - first;
-        const int64_t base = ((block_id * block_size + first) * num_kv_heads + kv_head) * head_dim;
-        const float* k_block = k_ptr + base;
-        const float* v_block = v_ptr + base;
-        for (int64_t g = 0; g < group; ++g) {
-          const float* qg = q_group + g * head_dim;
-          float* sg = scores.data() + g * block_size;
-          float block_max = -std::numeric_limits<float>::infinity();
-          for (int64_t t = 0; t < num_keys; ++t) {
-            sg[t] = dot(qg, k_block + t * token_stride, head_dim) * fscale;
-            if (fcap > 0.f) sg[t] = fcap * std::tanh(sg[t] / fcap);
-            block_max = std::max(block_max, sg[t]);
-          }
-          const float new_max = std::max(run_max[g], block_max);
-          const float correction = std::exp(run_max[g] - new_max);
-          float* ag = acc.data() + g * head_dim;
-          float block_sum = 0.f;
-          for (int64_t t = 0; t < num_keys; ++t) {
-            sg[t] = std::exp(sg[t] - new_max);
-            block_sum += sg[t];
-          }
-#pragma omp simd
-          for (int64_t i = 0; i < head_dim; ++i) ag[i] *= correction;
-          for (int64_t t = 0; t < num_keys; ++t) {
-            const float p = sg[t];
-            const float* vt = v_block + t * token_stride;
-#pragma omp simd
-            for (int64_t i = 0; i < head_dim; ++i) ag[i] += p * vt[i];
-          }
-          run_sum[g] = run_sum[g] * correction + block_sum;
-          run_max[g] = new_max;
-        }
-      }
-      float* o_group = out_ptr + (seq * num_heads + kv_head * group) * head_dim;
-      for (int64_t g = 0; g < group; ++g) {
-        const float inv = 1.f / run_sum[g];
-#pragma omp simd
-        for (int64_t i = 0; i < head_dim; ++i) o_group[g * head_dim + i] = acc[g * head_dim + i] * inv;
-      }
-    }
-  });
+// The same over an int8 cache: k/v_cache int8, k/v_scale [num_blocks, block_size,
+// num_kv_heads] float32 (value = int8 * scale, lmengine/kernels/kv_quant.py).
+at::Tensor paged_decode_attention_int8(const at::Tensor& q, const at::Tensor& k_cache,
+                                       const at::Tensor& v_cache, const at::Tensor& k_scale,
+                                       const at::Tensor& v_scale, const at::Tensor& block_tables,
+                                       const at::Tensor& kv_lens, double scale,
+                                       int64_t sliding_window, double softcap) {
+  check_int8_cache(k_cache, k_scale, "k_cache");
+  check_int8_cache(v_cache, v_scale, "v_cache");
+  check_decode_inputs(q, k_cache, v_cache, block_tables, kv_lens, sliding_window, softcap);
+  auto out = at::empty_like(q);
+  decode_loop<int8_t>(q.data_ptr<float>(), k_cache.data_ptr<int8_t>(),
+                      v_cache.data_ptr<int8_t>(), k_scale.data_ptr<float>(),
+                      v_scale.data_ptr<float>(), block_tables.data_ptr<int32_t>(),
+                      kv_lens.data_ptr<int32_t>(), out.data_ptr<float>(), q.size(0), q.size(1),
+                      k_cache.size(2), q.size(2), k_cache.size(1), block_tables.size(1),
+                      static_cast<float>(scale), static_cast<float>(softcap), sliding_window);
   return out;
 }
 
@@ -142,4 +210,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "decode attention over the paged KV cache (float32, CPU)", py::arg("q"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("kv_lens"),
         py::arg("scale"), py::arg("sliding_window") = 0, py::arg("softcap") = 0.0);
+  m.def("paged_decode_attention_int8", &paged_decode_attention_int8,
+        "decode attention over the paged int8 KV cache (float32 queries, CPU)", py::arg("q"),
+        py::arg("k_cache"), py::arg("v_cache"), py::arg("k_scale"), py::arg("v_scale"),
+        py::arg("block_tables"), py::arg("kv_lens"), py::arg("scale"),
+        py::arg("sliding_window") = 0, py::arg("softcap") = 0.0);
 }

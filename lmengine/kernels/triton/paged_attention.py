@@ -13,6 +13,10 @@ one tile (row = query * GROUP_SIZE + head in group), so each K/V tile read throu
 table serves the whole GQA group; a decode step fills GROUP_SIZE rows instead of one. It loops
 over keys in tiles of BLOCK_N with an online (flash-attention) softmax in float32; QK^T and PV
 use tl.dot. head_dim is padded to the power of two HEAD_DIM (>= 16) with masks.
+
+With an int8 cache (QUANT) each K and V tile is loaded as int8 with its per-(slot, KV head)
+float32 scales from k_scale / v_scale, [num_blocks, block_size, num_kv_heads], and dequantized
+to q's dtype in registers before the dots.
 """
 
 from __future__ import annotations
@@ -53,6 +57,12 @@ def _paged_attention_kernel(
     stride_out_t,
     stride_out_h,
     stride_block_tables_b,
+    k_scale_ptr,  # [num_blocks, block_size, num_kv_heads] float32 (QUANT only)
+    v_scale_ptr,
+    stride_ks_b,
+    stride_ks_s,
+    stride_vs_b,
+    stride_vs_s,
     head_dim,
     PAGE_SIZE: tl.constexpr,  # cache block size (tokens per block)
     GROUP_SIZE: tl.constexpr,  # query heads per kv head
@@ -63,6 +73,7 @@ def _paged_attention_kernel(
     IEEE_DOT: tl.constexpr,  # float32 inputs: full-precision dot instead of tf32
     HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
+    QUANT: tl.constexpr,  # int8 cache with scales
 ):
     seq = tl.program_id(0)
     q_block = tl.program_id(1)
@@ -114,6 +125,10 @@ def _paged_attention_kernel(
         k_mask = d_valid[:, None] & kv_valid[None, :]  # [HEAD_DIM, BLOCK_N]
         k = tl.load(k_head_ptr + k_offs[None, :] + offs_d[:, None], mask=k_mask, other=0.0)
         # k: [HEAD_DIM, BLOCK_N]
+        if QUANT:
+            ks_offs = page * stride_ks_b + in_page * stride_ks_s + kv_head  # [BLOCK_N]
+            k_s = tl.load(k_scale_ptr + ks_offs, mask=kv_valid, other=0.0)  # [BLOCK_N]
+            k = (k.to(tl.float32) * k_s[None, :]).to(q.dtype)
         if IEEE_DOT:
             s = tl.dot(q, k, input_precision="ieee")  # [BLOCK_M, BLOCK_N]
         else:
@@ -136,6 +151,10 @@ def _paged_attention_kernel(
         v_mask = kv_valid[:, None] & d_valid[None, :]  # [BLOCK_N, HEAD_DIM]
         v = tl.load(v_head_ptr + v_offs[:, None] + offs_d[None, :], mask=v_mask, other=0.0)
         # v: [BLOCK_N, HEAD_DIM]
+        if QUANT:
+            vs_offs = page * stride_vs_b + in_page * stride_vs_s + kv_head  # [BLOCK_N]
+            v_s = tl.load(v_scale_ptr + vs_offs, mask=kv_valid, other=0.0)  # [BLOCK_N]
+            v = (v.to(tl.float32) * v_s[:, None]).to(q.dtype)
         if IEEE_DOT:
             pv = tl.dot(p, v, input_precision="ieee")  # [BLOCK_M, HEAD_DIM]
         else:
@@ -152,7 +171,12 @@ def _paged_attention_kernel(
 
 
 def _check(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     op = "paged_attention_triton"
     if q.dim() != 3:
@@ -174,13 +198,27 @@ def _check(
         )
     if q.dtype not in _FLOAT_DTYPES:
         raise ValueError(f"{op}: q must be float16, bfloat16 or float32, got {q.dtype}")
+    cache_dtype = torch.int8 if k_scale is not None else q.dtype
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.dtype != q.dtype:
-            raise ValueError(f"{op}: {name} dtype {t.dtype} differs from q dtype {q.dtype}")
+        if name != "q" and t.dtype != cache_dtype:
+            raise ValueError(
+                f"{op}: {name} dtype {t.dtype} differs from q dtype {q.dtype}"
+                if k_scale is None
+                else f"{op}: {name} must be int8 with k_scale/v_scale, got {t.dtype}"
+            )
         if t.stride(-1) != 1:
             raise ValueError(f"{op}: {name} must have a contiguous last dimension")
         if t.device != q.device:
             raise ValueError(f"{op}: {name} is on {t.device} but q is on {q.device}")
+    if k_scale is not None:
+        for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if t is None or t.dtype != torch.float32 or t.shape != k_cache.shape[:3]:
+                raise ValueError(
+                    f"{op}: {name} must be float32 {tuple(k_cache.shape[:3])}, got "
+                    f"{None if t is None else (t.dtype, tuple(t.shape))}"
+                )
+            if t.stride(-1) != 1 or t.device != q.device:
+                raise ValueError(f"{op}: {name} must be on {q.device} with contiguous heads")
     num_seqs = meta.q_lens.shape[0]
     if meta.block_tables.dim() != 2 or meta.block_tables.shape[0] != num_seqs:
         raise ValueError(
@@ -218,12 +256,16 @@ def paged_attention_triton(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [num_tokens, num_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size,
-    num_kv_heads, head_dim], already holding this step's keys. `sliding_window` and
-    `softcap` as in lmengine.kernels.paged_attention (None = off).
+    num_kv_heads, head_dim], already holding this step's keys (int8 with k_scale, v_scale:
+    [num_blocks, block_size, num_kv_heads] float32). `sliding_window` and `softcap` as in
+    lmengine.kernels.paged_attention (None = off).
     Returns a new [num_tokens, num_heads, head_dim] tensor."""
-    _check(q, k_cache, v_cache, meta)
+    _check(q, k_cache, v_cache, meta, k_scale, v_scale)
+    quant = k_scale is not None
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     num_seqs = meta.q_lens.shape[0]
     if q.shape[0] == 0 or num_seqs == 0 or meta.max_q_len == 0:
@@ -257,6 +299,12 @@ def paged_attention_triton(
         out.stride(0),
         out.stride(1),
         meta.block_tables.stride(0),
+        k_scale if quant else k_cache,  # NOTE: unused pointers when not QUANT
+        v_scale if quant else v_cache,
+        k_scale.stride(0) if quant else 0,
+        k_scale.stride(1) if quant else 0,
+        v_scale.stride(0) if quant else 0,
+        v_scale.stride(1) if quant else 0,
         head_dim,
         PAGE_SIZE=meta.block_size,
         GROUP_SIZE=group_size,
@@ -267,6 +315,7 @@ def paged_attention_triton(
         IEEE_DOT=q.dtype == torch.float32,
         HAS_WINDOW=sliding_window is not None,
         HAS_SOFTCAP=softcap is not None,
+        QUANT=quant,
         num_warps=4,
     )
     return out
