@@ -64,7 +64,6 @@ class Sequence(TokenCounts):
         if self.num_prompt_tokens < 0:
             self.num_prompt_tokens = len(self.token_ids)
 
-
     @property
     def max_new_tokens(self) -> int:
         return self.gen_config.max_new_tokens
