@@ -60,7 +60,10 @@ def speculative_config(mode: str, path: str, k: int) -> SpeculativeConfig | None
 
 def run_lmengine(path: str, mode: str, prompts: list[list[int]], args) -> dict:
     cfg = EngineConfig(
-        dtype="float32", device="cpu", speculative=speculative_config(mode, path, args.k)
+        dtype="float32",
+        device="cpu",
+        speculative=speculative_config(mode, path, args.k),
+        num_threads=args.num_threads,
     )
     engine = Engine.from_pretrained(path, cfg)
     gen = GenerationConfig(max_new_tokens=args.max_new_tokens, ignore_eos=True)
@@ -126,12 +129,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workloads", default="copy,chat")
     p.add_argument("--modes", default="off,ngram,self")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers baselines")
+    p.add_argument(
+        "--num-threads", type=int, default=0, help="torch threads of both (0: all cores)"
+    )
     p.add_argument("--quick", action="store_true", help="small sizes: a smoke test")
     args = p.parse_args(argv)
     if args.quick:
         args.num_prompts, args.max_new_tokens = 2, 16
     from transformers import AutoTokenizer
 
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
     path = resolve_model_path(args.model)
     tokenizer = AutoTokenizer.from_pretrained(path)
     print(f"# {' '.join(sys.argv)}  (torch threads: {torch.get_num_threads()})")
