@@ -125,6 +125,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--repeat", type=int, default=1, help="timed runs per measurement (best)")
     p.add_argument("--skip-peft", action="store_true")
+    p.add_argument(
+        "--num-threads", type=int, default=0, help="torch threads of both (0: all cores)"
+    )
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = p.parse_args(argv)
     num_prompts = args.num_prompts or (8 if args.quick else 64)
@@ -142,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     from lmengine.api import chat_token_ids
     from lmengine.engine.loader import resolve_model_path
 
-    torch.set_num_threads(os.cpu_count() or 1)
+    threads = args.num_threads or os.cpu_count() or 1
+    torch.set_num_threads(threads)
     path = resolve_model_path(args.model)
     tokenizer = AutoTokenizer.from_pretrained(path)
     tokenizer.padding_side = "left"
@@ -156,7 +160,9 @@ def main(argv: list[str] | None = None) -> int:
     ]
     work = num_prompts * new
     results: dict[str, dict[int, float]] = {"lmengine": {}, "peft": {}}
-    base_cfg = dict(dtype="float32", device="cpu", num_gpu_blocks=num_prompts * 16 + 64)
+    base_cfg = dict(
+        dtype="float32", device="cpu", num_gpu_blocks=num_prompts * 16 + 64, num_threads=threads
+    )
 
     with tempfile.TemporaryDirectory() as tmp:
         log(f"making {max_k} random adapters")
