@@ -64,8 +64,13 @@ def free_memory_bytes(device: torch.device) -> int:
     return psutil.virtual_memory().available
 
 
-def derive_num_blocks(spec: CacheSpec, device: torch.device, fraction: float) -> int:
-    return int(free_memory_bytes(device) * fraction // spec.block_bytes)
+def derive_num_blocks(
+    spec: CacheSpec, device: torch.device, fraction: float, *sharing: CacheSpec
+) -> int:
+    """Blocks that `fraction` of free memory holds. `sharing`: caches addressed by the same
+    block ids (a speculative draft model's), so each block costs theirs too."""
+    block_bytes = spec.block_bytes + sum(other.block_bytes for other in sharing)
+    return int(free_memory_bytes(device) * fraction // block_bytes)
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -12,7 +12,7 @@ import torch
 
 from lmengine.config import EngineConfig
 from lmengine.engine.beam import split_beam_rows
-from lmengine.engine.cache_engine import CacheEngine, CacheSpec, free_memory_bytes
+from lmengine.engine.cache_engine import CacheEngine, CacheSpec, derive_num_blocks
 from lmengine.engine.lora_pool import LoRAPool
 from lmengine.engine.sampling import Sampler, SampleResult
 from lmengine.engine.speculative import DraftModelProposer, Drafts, NgramProposer, Verifier
@@ -59,9 +59,8 @@ class ModelAgent:
         if speculative is not None and speculative.method == "draft_model":
             draft = load_draft_model(speculative.draft_model, info, engine_config, device)
         # NOTE: a draft model's cache uses the same block ids, so a block costs both caches
-        block_bytes = spec.block_bytes + (draft[1].block_bytes if draft else 0)
-        num_gpu_blocks = engine_config.num_gpu_blocks or int(
-            free_memory_bytes(device) * engine_config.cache_max_entry_count // block_bytes
+        num_gpu_blocks = engine_config.num_gpu_blocks or derive_num_blocks(
+            spec, device, engine_config.cache_max_entry_count, *([draft[1]] if draft else [])
         )
         if num_gpu_blocks < 1:
             raise ValueError("no memory left for even one KV block: lower the model size")
