@@ -28,10 +28,10 @@ def _check_range(name: str, value, low=None, high=None, *, low_open: bool = Fals
         raise ValueError(f"{name} must be <= {high}, got {value!r}")
 
 
-def _check_int(name: str, value, low: int | None = None) -> None:
+def _check_int(name: str, value, low: int | None = None, high: int | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{name} must be an integer, got {value!r}")
-    _check_range(name, value, low)
+    _check_range(name, value, low, high)
 
 
 def _check_choice(name: str, value, choices) -> None:
@@ -235,7 +235,7 @@ class GenerationConfig:
             for t in self.stop_token_ids:
                 _check_int("stop_token_ids[]", t, 0)
         if self.random_seed is not None:
-            _check_int("random_seed", self.random_seed, 0)
+            _check_int("random_seed", self.random_seed, 0, 2**64 - 1)  # torch.Generator's range
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, 0)
             if self.logprobs > 20:
@@ -244,7 +244,8 @@ class GenerationConfig:
 
     def _check_beam_search(self) -> None:
         _check_int("num_beams", self.num_beams, 1)
-        _check_range("length_penalty", self.length_penalty)
+        # NOTE: bounded so length ** length_penalty stays finite for any session length
+        _check_range("length_penalty", self.length_penalty, -20.0, 20.0)
         if isinstance(self.early_stopping, str) and self.early_stopping.lower() in _EARLY_STOP:
             self.early_stopping = _EARLY_STOP[self.early_stopping.lower()]  # CLI strings
         if not (isinstance(self.early_stopping, bool) or self.early_stopping == "never"):

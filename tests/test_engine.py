@@ -143,15 +143,35 @@ def test_session_len_caps_generation(engine):
     assert r.finish_reason == "length" and r.input_token_len + r.generate_token_len == 200
 
 
-def test_loop_death_reaches_every_caller(tiny_llama_path):
-    eng = Engine.from_pretrained(tiny_llama_path, EngineConfig(num_gpu_blocks=64))
-    started = threading.Event()
+def test_failed_step_fails_its_requests_and_engine_lives_on(engine):
+    inst = engine.create_instance()
+    real_forward = engine.model_agent.forward
+    gen = GenerationConfig(max_new_tokens=40, ignore_eos=True)
+    running = inst.stream_infer(400, [5] * 12, gen_config=gen)
+    assert next(running).finish_reason is None
 
-    def explode(out):
-        started.set()
+    def explode_once(out):
+        engine.model_agent.forward = real_forward
         raise RuntimeError("injected failure")
 
-    eng.model_agent.forward = explode
+    engine.model_agent.forward = explode_once
+    last = [r for r in running][-1]
+    assert last.finish_reason == "error" and "injected failure" in last.error
+    assert 1 <= last.generate_token_len < 40  # the tokens it had before the failure
+    ok = inst.infer(401, [5, 6, 7], gen_config=GenerationConfig(max_new_tokens=4))
+    assert ok.finish_reason in ("stop", "length") and ok.error is None
+    assert engine.is_alive
+    engine.check_integrity()
+    assert engine.stats()["num_free_blocks"] == engine.stats()["num_total_blocks"]
+
+
+def test_loop_death_reaches_every_caller(tiny_llama_path):
+    eng = Engine.from_pretrained(tiny_llama_path, EngineConfig(num_gpu_blocks=64))
+
+    def explode(out):
+        raise RuntimeError("injected failure")
+
+    eng.model_agent.forward = explode  # every step fails: the loop gives up after a few
     inst = eng.create_instance()
     results = []
     threads = [
@@ -168,8 +188,12 @@ def test_loop_death_reaches_every_caller(tiny_llama_path):
         t.join(timeout=30)
     assert len(results) == 4
     assert all(r.finish_reason == "error" and "injected failure" in r.error for r in results)
-    late = inst.infer(9, [5], gen_config=GenerationConfig(max_new_tokens=2))
-    assert late.finish_reason == "error"
+    for i in range(10, 20):  # one request per step until the engine stops trying
+        late = inst.infer(i, [5], gen_config=GenerationConfig(max_new_tokens=2))
+        assert late.finish_reason == "error"
+        if not eng.is_alive:
+            break
+    assert not eng.is_alive and "engine loop died" in late.error
     eng.close()
 
 

@@ -35,6 +35,34 @@ def test_temperature_sampling_follows_softmax():
     assert chi2 < 18.5, f"chi-square {chi2:.1f} with 4 dof (p=0.001 cut-off 18.5)"
 
 
+def test_extreme_values_give_the_limit_not_nan():
+    """Temperatures and penalties whose float32 logits overflow to inf (or 0/0) must give the
+    limit distribution (the greedy token), never a NaN draw (which picks token 0)."""
+    logits = torch.tensor([[0.5, 3.0, -1.0, 0.0, 2.0]])
+    tokens = (1, 2, 3)  # token 1 (the best) is in the history: the penalty sends it to inf
+    sampler = Sampler([], torch.device("cpu"))
+    for kwargs in (
+        dict(do_sample=True, temperature=5e-324),
+        dict(do_sample=True, temperature=1e-40, top_k=2, top_p=0.5),
+        dict(do_sample=True, temperature=5e-324, top_k=2**70),  # top_k beyond int64
+        dict(do_sample=True, repetition_penalty=1e-308),
+        dict(repetition_penalty=1e-308),
+    ):
+        cfg = GenerationConfig(**kwargs)
+        [res] = sampler.sample(logits, [seq(0, cfg, tokens)])
+        assert res.token_id == 1, kwargs
+        probs = sampler.probabilities(logits, [seq(0, cfg, tokens)])
+        assert not probs.isnan().any() and probs[0, 1] == 1.0, kwargs
+
+
+def test_seed_and_length_penalty_bounds():
+    GenerationConfig(do_sample=True, random_seed=2**64 - 1)
+    with pytest.raises(ValueError, match="random_seed must be <= 18446744073709551615"):
+        GenerationConfig(do_sample=True, random_seed=2**64)
+    with pytest.raises(ValueError, match="length_penalty must be <= 20"):
+        GenerationConfig(num_beams=2, length_penalty=1e308)
+
+
 def test_top_p_keeps_only_the_nucleus_renormalised():
     torch.manual_seed(1)
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05])

@@ -53,6 +53,7 @@ def split_beam_rows(
     beam_seqs = [seqs[i] for i in rows]
     log_probs = logits[rows].float().log_softmax(-1)  # [num_beam_rows, vocab]
     log_probs = sampler._apply_penalties(log_probs, beam_seqs)
+    log_probs.masked_fill_(log_probs.isnan(), float("-inf"))  # 0 * -inf under extreme penalties
     by_seq = {s.seq_id: log_probs[j] for j, s in enumerate(beam_seqs)}
     taken = set(rows)
     keep = [i for i in range(len(seqs)) if i not in taken]

@@ -25,6 +25,7 @@ from lmengine.engine.loader import load_model_and_tokenizer
 from lmengine.engine.lora_pool import DEFAULT_MAX_LORA_RANK
 from lmengine.engine.model_agent import ModelAgent
 from lmengine.engine.request import (
+    STEP_FAILED,
     AddRequest,
     CallRequest,
     CancelRequest,
@@ -48,6 +49,7 @@ from lmengine.scheduler import (
 from lmengine.scheduler.qos import QoS, QoSError
 
 logger = logging.getLogger("lmengine")
+_MAX_FAILED_STEPS = 3  # consecutive failed steps before the loop gives up (a broken engine)
 
 
 @dataclass(eq=False)
@@ -104,6 +106,7 @@ class Engine:
         self.engine_config = engine_config or EngineConfig()
         self.model_path = model_path
         self._stop = threading.Event()
+        self._failed_steps = 0  # consecutive steps that raised
         self._ready = threading.Event()
         self._init_error: BaseException | None = None
         self._thread = threading.Thread(
@@ -425,7 +428,7 @@ class Engine:
         if req.gen_config.num_beams > 1:
             self.beam_search.add(seq, self.session_len)
 
-    def _finish_session(self, session_id: int, reason: str) -> None:
+    def _finish_session(self, session_id: int, reason: str, error: str | None = None) -> None:
         state = self._states.pop(session_id, None)
         if state is None:
             return
@@ -434,10 +437,30 @@ class Engine:
         self.scheduler.abort_sequence(state.seq)
         self.model_agent.release(state.seq.seq_id)
         resp = state.response(list(state.seq.generated_token_ids), reason)
+        resp.error = error
         self.request_manager.publish(state.req, resp)
 
     def step(self) -> SchedulerOutput:
+        """One scheduling step: schedule, forward, sample, publish. A step that raises fails
+        the requests it ran (finish_reason "error", their blocks freed) and the engine goes
+        on; only a failure the engine cannot contain (tensor parallel ranks mid-collective,
+        or failures step after step) stops the loop."""
         out = self.scheduler.schedule()
+        try:
+            self._run_step(out)
+        except Exception as e:
+            self._failed_steps += 1
+            if self.engine_config.tp > 1 or self._failed_steps >= _MAX_FAILED_STEPS:
+                raise
+            logger.error("step failed; failing its requests:\n%s", traceback.format_exc())
+            message = f"{STEP_FAILED}: {type(e).__name__}: {e}"
+            for session_id in {item.seq.session_id for item in out.scheduled}:
+                self._finish_session(session_id, "error", message)
+        else:
+            self._failed_steps = 0
+        return out
+
+    def _run_step(self, out: SchedulerOutput) -> None:
         self.beam_search.before_forward(out)
         results = self.model_agent.forward(out)
         new_tokens: dict[int, list[int]] = {}
@@ -476,7 +499,6 @@ class Engine:
             )
             published.append((state.req, resp))
         self.request_manager.publish_many(published)
-        return out
 
     def _check_stop(self, state: _RequestState, res: SampleResult, pending: int = 0) -> str | None:
         """Record the sampled token in the request's text; return a finish reason or None.

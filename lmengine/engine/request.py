@@ -79,6 +79,10 @@ class RequestError(ValueError):
     """A request the engine refuses; its message is the `error` of the response."""
 
 
+# the start of the error of a request whose step raised: an engine bug, not the request's fault
+STEP_FAILED = "the step running this request failed"
+
+
 def error_response(req: AddRequest, message: str) -> Response:
     return Response(
         finish_reason="error",

@@ -60,6 +60,11 @@ def openai_penalties(
     return logits - presence_t * (counts > 0).to(logits.dtype) - frequency_t * counts
 
 
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """argmax per row, [rows]; NaN entries (0/0 under an extreme penalty) never win."""
+    return logits.masked_fill(logits.isnan(), float("-inf")).argmax(-1)
+
+
 class Sampler:
     """Turns logits into tokens for a batch of sequences. Holds per-request generators."""
 
@@ -82,10 +87,10 @@ class Sampler:
         """logits: [num_samples, vocab] float32, row i for seqs[i]."""
         cfgs = [s.gen_config for s in seqs]
         processed = self._apply_penalties(logits.clone(), seqs)
-        tokens = processed.argmax(-1)  # [num_samples]
+        tokens = greedy(processed)  # [num_samples]
         sample_rows = [i for i, c in enumerate(cfgs) if c.do_sample]
         if sample_rows:
-            probs = self._warp(processed[sample_rows], [cfgs[i] for i in sample_rows]).softmax(-1)
+            probs = self._sampling_probs(processed[sample_rows], [cfgs[i] for i in sample_rows])
             noise = self.exponential_noise(probs, [seqs[i] for i in sample_rows])
             tokens[sample_rows] = (probs / noise).argmax(-1)
         return self.results(logits, tokens.tolist(), cfgs)
@@ -98,12 +103,23 @@ class Sampler:
         cfgs = [s.gen_config for s in seqs]
         logits = self._apply_penalties(logits.clone(), seqs)
         probs = torch.zeros_like(logits)
-        probs.scatter_(1, logits.argmax(-1, keepdim=True), 1.0)
+        probs.scatter_(1, greedy(logits)[:, None], 1.0)
         sample_rows = [i for i, c in enumerate(cfgs) if c.do_sample]
         if sample_rows:
-            probs[sample_rows] = self._warp(
+            probs[sample_rows] = self._sampling_probs(
                 logits[sample_rows], [cfgs[i] for i in sample_rows]
-            ).softmax(-1)
+            )
+        return probs
+
+    def _sampling_probs(self, logits: torch.Tensor, cfgs: Seq) -> torch.Tensor:
+        """softmax(_warp(logits)), [rows, vocab]. A row the warping turned into NaN (a
+        temperature or penalty so extreme that its logits overflow to inf) becomes the one-hot
+        of its greedy token: the limit that distribution tends to."""
+        probs = self._warp(logits, cfgs).softmax(-1)
+        bad = probs.isnan().any(-1)  # [rows]
+        if bool(bad.any()):
+            one_hot = torch.zeros_like(probs[bad])
+            probs[bad] = one_hot.scatter_(1, greedy(logits[bad])[:, None], 1.0)
         return probs
 
     def results(self, logits: torch.Tensor, tokens: list[int], cfgs: Seq) -> list[SampleResult]:
@@ -187,12 +203,13 @@ class Sampler:
         logits = logits / temperature[:, None]
         if any(c.top_k > 0 or c.top_p < 1.0 for c in cfgs):
             vocab = logits.shape[1]
-            widest = max(c.top_k or vocab for c in cfgs)
+            kept = [min(c.top_k, vocab) or vocab for c in cfgs]  # top_k 0: no cut
+            widest = max(kept)
             if widest < vocab:  # every row has a top-k: only the top `widest` can survive
                 sorted_logits, sorted_ids = logits.topk(widest, -1)  # [rows, widest]
             else:
                 sorted_logits, sorted_ids = logits.sort(-1, descending=True)  # [rows, vocab]
-            top_k = torch.tensor([c.top_k or vocab for c in cfgs], device=dev)
+            top_k = torch.tensor(kept, device=dev)
             beyond_k = torch.arange(sorted_logits.shape[1], device=dev)[None, :] >= top_k[:, None]
             sorted_logits = sorted_logits.masked_fill(beyond_k, float("-inf"))
             # top-p over what top-k left (as transformers' warpers, in that order)

@@ -28,7 +28,7 @@ import torch
 
 from lmengine.config import SpeculativeConfig
 from lmengine.engine.cache_engine import CacheEngine, CacheSpec
-from lmengine.engine.sampling import Sampler, SampleResult
+from lmengine.engine.sampling import Sampler, SampleResult, greedy
 from lmengine.models.context import build_step_context, step_context
 from lmengine.scheduler.scheduler import ScheduledSequence, SchedulerOutput
 from lmengine.scheduler.sequence import TokenCounts
@@ -279,18 +279,18 @@ class Verifier:
         num_accepted = torch.zeros(batch, dtype=torch.long)
         next_token = torch.zeros(batch, dtype=torch.long)
         sampled = [b for b, s in enumerate(seqs) if s.gen_config.do_sample]
-        greedy = [b for b, s in enumerate(seqs) if not s.gen_config.do_sample]
-        if greedy:  # keep drafts while they equal the argmax; then the argmax
-            g_rows = torch.isin(seq_of_row, torch.tensor(greedy)).nonzero().squeeze(1)
+        greedy_seqs = [b for b, s in enumerate(seqs) if not s.gen_config.do_sample]
+        if greedy_seqs:  # keep drafts while they equal the argmax; then the argmax
+            g_rows = torch.isin(seq_of_row, torch.tensor(greedy_seqs)).nonzero().squeeze(1)
             g_views = [views[r] for r in g_rows.tolist()]
-            best = self.sampler._apply_penalties(logits[g_rows].clone(), g_views).argmax(-1)
+            best = greedy(self.sampler._apply_penalties(logits[g_rows].clone(), g_views))
             targets = torch.zeros(batch, k + 1, dtype=torch.long)
             targets[seq_of_row[g_rows], pos_of_row[g_rows]] = best
             match = (targets[:, :k] == drafts_t[:, :k]) & (
                 torch.arange(k)[None, :] < num_drafts[:, None]
             )
             acc = match.long().cumprod(1).sum(1)
-            g = torch.tensor(greedy)
+            g = torch.tensor(greedy_seqs)
             num_accepted[g] = acc[g]
             next_token[g] = targets[g, acc[g]]
         if sampled:

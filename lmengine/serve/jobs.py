@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from lmengine.config import GenerationConfig
-from lmengine.engine.request import AddRequest, CancelRequest, Response
+from lmengine.engine.request import STEP_FAILED, AddRequest, CancelRequest, Response
 from lmengine.serve.metrics import ServerMetrics
 
 ENGINE_GONE = ("engine closed", "engine loop died")
@@ -53,6 +53,8 @@ def engine_error(message: str) -> APIError:
     """The HTTP error for a request the engine refused before generating anything."""
     if message.startswith(ENGINE_GONE):
         return APIError(503, message, "service_unavailable", "engine_unavailable")
+    if message.startswith(STEP_FAILED):
+        return APIError(500, message, "server_error")
     return APIError(400, message)
 
 
