@@ -213,6 +213,7 @@ class LoRAPool:
                 module.lora_a[index] = 0
                 module.lora_b[index] = 0
                 module.lora_scale[index] = 0
+                module.lora_cols[index.cpu()] = torch.tensor([0, kind.out_features])
                 first = 0
                 for p in layers.get(layer, ()):
                     rows = index[first : first + p.rank]
@@ -220,6 +221,7 @@ class LoRAPool:
                     module.lora_a[rows] = p.lora_a.to(self.device)
                     module.lora_b[rows, cols] = p.lora_b.t().to(self.device)
                     module.lora_scale[rows] = p.scale
+                    module.lora_cols[rows.cpu()] = torch.tensor([cols.start, cols.stop])
                     first += p.rank
 
     def step(self, adapter_ids: list[int | None], q_lens: torch.Tensor, plan: AdapterPlan):

@@ -20,7 +20,8 @@ from pathlib import Path
 from types import ModuleType
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
-_SOURCES = [_CSRC / "cpu_ops.cpp", _CSRC / "w8a8_ops.cpp"]  # cpu_ops.cpp holds the bindings
+# cpu_ops.cpp holds the bindings
+_SOURCES = [_CSRC / "cpu_ops.cpp", _CSRC / "w8a8_ops.cpp", _CSRC / "lora_ops.cpp"]
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 _lock = threading.Lock()
 _module: ModuleType | None = None

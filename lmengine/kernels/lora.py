@@ -10,7 +10,8 @@ zero), so adapters of different ranks share one table without a rank array.
 Tokens are grouped once per step (`LoRAMeta.build`) into segments of one adapter each:
 sorted token indices, segment starts and the adapter row of each segment. The CPU path cuts
 the segments into equal tiles and runs two batched matmuls per linear (no Python loop over
-tokens or adapters); the Triton path (`lmengine.kernels.triton.lora`) runs one program per
+tokens or adapters), or the compiled kernel (csrc/lora_ops.cpp) reads each segment's pages
+in place when it is built; the Triton path (`lmengine.kernels.triton.lora`) runs one program per
 (segment, token block).
 """
 
@@ -20,6 +21,8 @@ import math
 from dataclasses import dataclass
 
 import torch
+
+from lmengine.kernels import cpu_ext
 
 
 @dataclass
@@ -154,8 +157,37 @@ def lora_add_cpu(
     lora_scale: torch.Tensor,
     page_table: torch.Tensor,
     meta: LoRAMeta,
+    lora_cols: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Tiles of one adapter each, padded to one size: two batched matmuls per call."""
+    """The compiled kernel (pages read in place) when it is built and the tensors are
+    float32; else tiles of one adapter each, padded to one size, two batched matmuls.
+    `lora_cols` [pages, 2]: the [begin, end) columns where each page's B row can be non-zero
+    (a hint: only the compiled kernel uses it to skip work; None means all columns)."""
+    if meta.tile_tokens.numel() == 0:
+        return out
+    ext = cpu_ext.load()
+    if ext is not None and all(
+        t.dtype == torch.float32 and t.is_contiguous() for t in (out, x, lora_a, lora_b)
+    ):
+        ext.lora_sgmv(
+            out, x, lora_a, lora_b, lora_scale, lora_cols, page_table,
+            meta.sorted_tokens, meta.seg_starts, meta.seg_adapter,
+        )  # fmt: skip
+        return out
+    return lora_add_tiles(out, x, lora_a, lora_b, lora_scale, page_table, meta)
+
+
+def lora_add_tiles(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    lora_scale: torch.Tensor,
+    page_table: torch.Tensor,
+    meta: LoRAMeta,
+) -> torch.Tensor:
+    """The PyTorch CPU path: tiles of one adapter each, padded to one size, two batched
+    matmuls per call (no Python loop over tokens or adapters)."""
     if meta.tile_tokens.numel() == 0:
         return out
     num_tiles, tile_size = meta.tile_tokens.shape
@@ -184,11 +216,13 @@ def lora_add(
     lora_scale: torch.Tensor,
     page_table: torch.Tensor,
     meta: LoRAMeta,
+    lora_cols: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """out [T, out] += per-token LoRA of x [T, in] (in place); returns out."""
+    """out [T, out] += per-token LoRA of x [T, in] (in place); returns out. `lora_cols`: see
+    `lora_add_cpu`."""
     _check(out, x, lora_a, lora_b, lora_scale, page_table)
     if out.is_cuda:
         from lmengine.kernels.triton.lora import lora_add_triton
 
         return lora_add_triton(out, x, lora_a, lora_b, lora_scale, page_table, meta)
-    return lora_add_cpu(out, x, lora_a, lora_b, lora_scale, page_table, meta)
+    return lora_add_cpu(out, x, lora_a, lora_b, lora_scale, page_table, meta, lora_cols)

@@ -95,12 +95,14 @@ class LoRALinearMixin:
 
     `lora_a` [num_pages + 1, in], `lora_b` [num_pages + 1, out] and `lora_scale`
     [num_pages + 1] are this module's pages of the pool; the last page stays zero (padding).
+    `lora_cols` [num_pages + 1, 2]: the output columns [begin, end) of each page's part.
     """
 
     lora_kind: str
     lora_a: torch.Tensor | None = None
     lora_b: torch.Tensor | None = None
     lora_scale: torch.Tensor | None = None
+    lora_cols: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = super().forward(x)  # [num_tokens, out]
@@ -110,7 +112,9 @@ class LoRALinearMixin:
         table = lora.page_tables.get(self.lora_kind)
         if table is None:
             return out
-        return lora_add(out, x, self.lora_a, self.lora_b, self.lora_scale, table, lora.meta)
+        return lora_add(
+            out, x, self.lora_a, self.lora_b, self.lora_scale, table, lora.meta, self.lora_cols
+        )
 
 
 _LORA_CLASSES: dict[type, type] = {}
@@ -129,3 +133,4 @@ def enable_lora(module: PackedLinear, kind: str, num_pages: int) -> None:
     module.lora_a = weight.new_zeros(num_pages + 1, module.in_features)
     module.lora_b = weight.new_zeros(num_pages + 1, module.out_features)
     module.lora_scale = weight.new_zeros(num_pages + 1)
+    module.lora_cols = torch.tensor([[0, module.out_features]] * (num_pages + 1))

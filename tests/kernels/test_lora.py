@@ -6,7 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lmengine.kernels.lora import LoRAMeta, lora_add, lora_add_ref
+from lmengine.kernels.lora import LoRAMeta, lora_add, lora_add_cpu, lora_add_ref, lora_add_tiles
+
+# "compiled" is the C++ kernel whenever it builds (tests/kernels/test_w8a8.py checks it does)
+CPU_PATHS = {"compiled": lora_add_cpu, "torch tiles": lora_add_tiles}
 
 # token -> adapter layouts: -1 = no adapter
 LAYOUTS = {
@@ -39,18 +42,53 @@ def _pool(ranks, in_f, out_f, seed, dtype=torch.float32):
     return lora_a.to(dtype), lora_b.to(dtype), scale, table
 
 
+@pytest.mark.parametrize("path", list(CPU_PATHS))
 @pytest.mark.parametrize("ranks", [(1, 1, 1), (4, 8, 16), (16, 2, 5)])
 @pytest.mark.parametrize("layout", list(LAYOUTS), ids=list(LAYOUTS))
-def test_cpu_matches_reference(ranks, layout):
-    in_f, out_f = 24, 40
-    token_adapter = torch.tensor(LAYOUTS[layout])
-    lora_a, lora_b, scale, table = _pool(ranks, in_f, out_f, seed=len(layout))
+def test_cpu_matches_reference(ranks, layout, path):
+    _cpu_case(CPU_PATHS[path], ranks, LAYOUTS[layout], 24, 40, seed=len(layout))
+
+
+@pytest.mark.parametrize("path", list(CPU_PATHS))
+def test_cpu_at_model_shapes_split_across_threads(path):
+    # SmolLM2's qkv shapes: the compiled kernel's tasks then hold 2 tokens, so its thread
+    # chunks start and end inside segments
+    layout = [3] * 9 + [0] * 20 + [-1] * 5 + [1, 2, 1, 2] + [2] * 30
+    # deltas here are ~100 (576-long dots of randn): float32 summation order moves ~1e-4
+    _cpu_case(CPU_PATHS[path], (8, 16, 4, 12), layout, 576, 960, seed=5, tol=1e-3)
+
+
+def test_compiled_kernel_reads_only_each_pages_columns():
+    # pages of one part of a merged linear: B is zero outside the part's columns, and the
+    # kernel, told the ranges, must not touch the rest (here made non-zero to show it)
+    ranks, layout, in_f, out_f = (4, 8, 3), [0] * 5 + [1] * 9 + [2, -1, 0], 32, 200
+    lora_a, lora_b, scale, table = _pool(ranks, in_f, out_f, seed=3)
+    gen = torch.Generator().manual_seed(4)
+    lo = torch.randint(0, out_f - 1, (lora_a.shape[0],), generator=gen)
+    hi = lo + 1 + (torch.rand(lora_a.shape[0], generator=gen) * (out_f - lo)).long()
+    cols = torch.stack([lo, hi.clamp(max=out_f)], 1)
+    in_range = (torch.arange(out_f)[None, :] >= cols[:, :1]) & (
+        torch.arange(out_f)[None, :] < cols[:, 1:]
+    )
+    token_adapter = torch.tensor(layout)
+    x = torch.randn(len(layout), in_f)
+    base = torch.randn(len(layout), out_f)
+    masked_b = lora_b * in_range
+    expected = lora_add_ref(base.clone(), x, lora_a, masked_b, scale, table, token_adapter)
+    meta = LoRAMeta.build(token_adapter)
+    out = lora_add_cpu(base.clone(), x, lora_a, lora_b, scale, table, meta, cols)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def _cpu_case(fn, ranks, layout, in_f, out_f, seed, tol=1e-5):
+    token_adapter = torch.tensor(layout)
+    lora_a, lora_b, scale, table = _pool(ranks, in_f, out_f, seed=seed)
     x = torch.randn(len(token_adapter), in_f)
     base = torch.randn(len(token_adapter), out_f)
     expected = lora_add_ref(base.clone(), x, lora_a, lora_b, scale, table, token_adapter)
     meta = LoRAMeta.build(token_adapter)
-    out = lora_add(base.clone(), x, lora_a, lora_b, scale, table, meta)
-    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    out = fn(base.clone(), x, lora_a, lora_b, scale, table, meta)
+    torch.testing.assert_close(out, expected, rtol=tol, atol=tol)
     # tokens without adapter are untouched, the others changed
     none = token_adapter < 0
     assert torch.equal(out[none], base[none])

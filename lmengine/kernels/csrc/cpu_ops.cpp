@@ -203,9 +203,11 @@ at::Tensor paged_decode_attention_int8(const at::Tensor& q, const at::Tensor& k_
 }
 
 void register_w8a8_ops(py::module& m);  // w8a8_ops.cpp
+void register_lora_ops(py::module& m);  // lora_ops.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_w8a8_ops(m);
+  register_lora_ops(m);
   m.def("paged_decode_attention", &paged_decode_attention,
         "decode attention over the paged KV cache (float32, CPU)", py::arg("q"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("kv_lens"),
