@@ -4,7 +4,7 @@ device of its inputs. Kernels import only torch and triton."""
 
 from __future__ import annotations
 
-from lmengine.kernels.fill_kv_cache import fill_kv_cache
+from lmengine.kernels.fill_kv_cache import fill_kv_cache, rotary_fill_kv_cpu
 from lmengine.kernels.paged_attention import AttentionMetadata, paged_attention
 from lmengine.kernels.rms_norm import add_rms_norm, rms_norm
 from lmengine.kernels.rotary import apply_rotary
@@ -16,4 +16,5 @@ __all__ = [
     "fill_kv_cache",
     "paged_attention",
     "rms_norm",
+    "rotary_fill_kv_cpu",
 ]

@@ -21,7 +21,9 @@ from types import ModuleType
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
 # cpu_ops.cpp holds the bindings
-_SOURCES = [_CSRC / "cpu_ops.cpp", _CSRC / "w8a8_ops.cpp", _CSRC / "lora_ops.cpp"]
+_SOURCES = [
+    _CSRC / name for name in ("cpu_ops.cpp", "w8a8_ops.cpp", "lora_ops.cpp", "rotary_ops.cpp")
+]
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 _lock = threading.Lock()
 _module: ModuleType | None = None

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from lmengine.kernels import cpu_ext
 from lmengine.kernels.kv_quant import quantize_kv_ref
 
 
@@ -67,3 +68,31 @@ def fill_kv_cache(
     # [num_blocks * block_size, num_kv_heads, head_dim] views share the cache storage
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
+
+
+def rotary_fill_kv_cpu(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor | None:
+    """Rotary on q and k fused with the cache write, in one compiled call (csrc/rotary_ops.cpp;
+    bit-identical to `apply_rotary` then `fill_kv_cache`). q: [T, heads * head_dim], k, v:
+    [T, kv_heads * head_dim], rows contiguous (column slices of a fused qkv output are fine);
+    cos, sin: [T, head_dim]. Returns the rotated q [T, heads, head_dim], or None when the
+    fused path does not apply (not float32 CPU tensors, or no compiled kernels): then the
+    caller runs the two steps itself."""
+    if q.is_cuda or k_cache.dtype != torch.float32 or q.dtype != torch.float32:
+        return None
+    if cos.dtype != torch.float32 or cos.shape[-1] != k_cache.shape[-1]:
+        return None
+    ext = cpu_ext.load()
+    if ext is None or not all(t.dim() == 2 and t.stride(-1) == 1 for t in (q, k, v)):
+        return None
+    return ext.rotary_fill_kv(
+        q, k, v, cos.contiguous(), sin.contiguous(), k_cache, v_cache, slot_mapping
+    )

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from lmengine.kernels import apply_rotary, fill_kv_cache, paged_attention
+from lmengine.kernels import apply_rotary, fill_kv_cache, paged_attention, rotary_fill_kv_cpu
 from lmengine.models.context import get_step_context
 
 
@@ -52,16 +52,25 @@ class PagedAttentionMixin:
         model put cos/sin into the step context."""
         ctx = get_step_context()
         num_tokens = q.shape[0]
-        # [num_tokens, heads, head_dim] and [num_tokens, kv_heads, head_dim]
-        q = q.view(num_tokens, -1, self.head_dim)
-        k = k.view(num_tokens, -1, self.head_dim)
-        v = v.view(num_tokens, -1, self.head_dim)
-        q, k = self.norm_qk(q, k)
-        if ctx.cos is not None:
-            q, k = apply_partial_rotary(q, k, ctx.cos, ctx.sin)
         # (k, v), or (k, v, k_scale, v_scale) with an int8 cache
         k_cache, v_cache, *scales = ctx.kv_caches[self.layer_idx]
-        fill_kv_cache(k, v, k_cache, v_cache, ctx.slot_mapping, *scales)
+        fused = None
+        if ctx.cos is not None and not scales and type(self).norm_qk is _no_qk_norm:
+            # [num_tokens, heads, head_dim], k and v in the cache; None: not applicable here
+            fused = rotary_fill_kv_cpu(
+                q, k, v, ctx.cos, ctx.sin, k_cache, v_cache, ctx.slot_mapping
+            )
+        if fused is not None:
+            q = fused
+        else:
+            # [num_tokens, heads, head_dim] and [num_tokens, kv_heads, head_dim]
+            q = q.view(num_tokens, -1, self.head_dim)
+            k = k.view(num_tokens, -1, self.head_dim)
+            v = v.view(num_tokens, -1, self.head_dim)
+            q, k = self.norm_qk(q, k)
+            if ctx.cos is not None:
+                q, k = apply_partial_rotary(q, k, ctx.cos, ctx.sin)
+            fill_kv_cache(k, v, k_cache, v_cache, ctx.slot_mapping, *scales)
         out = paged_attention(
             q,
             k_cache,
@@ -73,3 +82,6 @@ class PagedAttentionMixin:
             *scales,
         )
         return out.view(num_tokens, -1)
+
+
+_no_qk_norm = PagedAttentionMixin.norm_qk  # the fused rotary path needs q, k as they come

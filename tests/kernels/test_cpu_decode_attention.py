@@ -21,7 +21,9 @@ def ext():
 
 @pytest.mark.parametrize("kv_lens", [[1], [5, 17, 32], [16, 1, 47, 64, 3]])
 @pytest.mark.parametrize("block_size", [1, 4, 16])
-@pytest.mark.parametrize("heads,head_dim", [((4, 4), 16), ((9, 3), 64), ((8, 1), 32)])
+@pytest.mark.parametrize(
+    "heads,head_dim", [((4, 4), 16), ((9, 3), 64), ((8, 1), 32), ((4, 2), 128)]
+)
 def test_decode_kernel_matches_references(ext, kv_lens, block_size, heads, head_dim):
     num_heads, num_kv_heads = heads
     q_lens = [1] * len(kv_lens)

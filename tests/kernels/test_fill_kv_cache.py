@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from lmengine.kernels import fill_kv_cache
-from lmengine.kernels.fill_kv_cache import fill_kv_cache_ref
+from lmengine.kernels.fill_kv_cache import fill_kv_cache_ref, rotary_fill_kv_cpu
+from lmengine.kernels.rotary import apply_rotary_ref
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 HEADS_DIM = [(4, 16), (2, 64), (1, 24)]  # (num_kv_heads, head_dim)
@@ -66,6 +67,40 @@ def test_fill_kv_cache_cpu_accepts_int32_slots():
     k_exp, v_exp = _expected(k, v, kc, vc, slots)
     fill_kv_cache(k, v, kc, vc, slots.to(torch.int32))
     assert torch.equal(kc, k_exp) and torch.equal(vc, v_exp)
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 16), (8, 1, 24)])
+@pytest.mark.parametrize("num_tokens", [1, 7, "all"])
+def test_fused_rotary_fill_is_bit_identical_to_rotary_then_fill(
+    heads, kv_heads, head_dim, num_tokens
+):
+    # q, k, v as column slices of one fused qkv output (rows strided), as the model gives them
+    _, _, kc, vc, slots = _inputs(num_tokens, kv_heads, head_dim, 4, torch.float32, seed=3)
+    n = slots.numel()
+    gen = torch.Generator().manual_seed(9)
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * head_dim, generator=gen)
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
+    angles = torch.rand(n, head_dim // 2, generator=gen) * 100
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    q_ref, k_ref = apply_rotary_ref(
+        q.reshape(n, heads, head_dim), k.reshape(n, kv_heads, head_dim), cos, sin
+    )
+    k_exp, v_exp = _expected(k_ref, v.reshape(n, kv_heads, head_dim), kc, vc, slots)
+    q_out = rotary_fill_kv_cpu(q, k, v, cos, sin, kc, vc, slots.to(torch.int32))
+    assert q_out is not None, "the compiled kernels did not build"
+    assert torch.equal(q_out, q_ref)
+    assert torch.equal(kc, k_exp) and torch.equal(vc, v_exp)
+
+
+def test_fused_rotary_fill_declines_what_it_does_not_cover():
+    _, _, kc, vc, slots = _inputs(3, 2, 16, 4, torch.float32, seed=0)
+    q, k, v = torch.randn(3, 64), torch.randn(3, 32), torch.randn(3, 32)
+    cos = sin = torch.ones(3, 16)
+    assert rotary_fill_kv_cpu(q, k, v, cos[:, :8], sin[:, :8], kc, vc, slots) is None  # partial
+    half = (kc.half(), vc.half())
+    assert rotary_fill_kv_cpu(q, k, v, cos, sin, *half, slots) is None  # not float32
+    with pytest.raises(RuntimeError, match="out of range"):
+        rotary_fill_kv_cpu(q, k, v, cos, sin, kc, vc, torch.tensor([0, 1, 10**6]))
 
 
 def test_fill_kv_cache_cpu_rejects_mismatched_cache():

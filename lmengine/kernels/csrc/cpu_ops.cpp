@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -38,12 +39,128 @@ void check_int8_cache(const at::Tensor& cache, const at::Tensor& scale, const ch
               name, " scales must be contiguous float32 [num_blocks, block_size, num_kv_heads]");
 }
 
+// exp(x) for x <= 0 (softmax terms after the running max is subtracted), written so that a
+// `#pragma omp simd` loop vectorises it (std::exp is a scalar libm call): x = n ln2 + r with
+// |r| <= ln2 / 2, a degree-6 polynomial for exp(r) (Cephes' coefficients), then 2^n put
+// into the exponent bits. Within 2 ulp of std::exp over [-87, 0]; 0 below, as expf.
+#pragma omp declare simd notinbranch
+inline float exp_nonpos(float x) {
+  x = std::max(x, -87.3f);
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;  // x - n ln2 in two parts
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return x <= -87.3f ? 0.f : p * scale;
+}
+
+// One block of keys for the `group` query heads of one KV head, online softmax. kDim > 0 fixes
+// head_dim at compile time (64, 128: the loops over it unroll into registers); 0 reads `dim`.
+// Each key row and value row is loaded once for the whole group: scores for every (head,
+// key) first, then the block's exponentials, then one pass over the values.
+template <int64_t kDim>
+inline void attend_block(const float* q_group, const float* k_block, const float* v_block,
+                         int64_t stride, int64_t num_keys, int64_t group, int64_t dim_rt,
+                         int64_t block_size, float fscale, float fcap, float* scores,
+                         float* acc, float* run_max, float* run_sum) {
+  const int64_t dim = kDim > 0 ? kDim : dim_rt;
+  for (int64_t g = 0; g < group; ++g) {
+    const float* qg = q_group + g * dim;
+    float* sg = scores + g * block_size;
+    int64_t t = 0;
+    for (; t + 4 <= num_keys; t += 4) {  // four keys at once: independent sums, more ILP
+      const float* k0 = k_block + t * stride;
+      const float* k1 = k0 + stride;
+      const float* k2 = k1 + stride;
+      const float* k3 = k2 + stride;
+      float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+      for (int64_t i = 0; i < dim; ++i) {
+        s0 += qg[i] * k0[i];
+        s1 += qg[i] * k1[i];
+        s2 += qg[i] * k2[i];
+        s3 += qg[i] * k3[i];
+      }
+      sg[t] = s0;
+      sg[t + 1] = s1;
+      sg[t + 2] = s2;
+      sg[t + 3] = s3;
+    }
+    for (; t < num_keys; ++t) {
+      const float* kt = k_block + t * stride;
+      float s = 0.f;
+#pragma omp simd reduction(+ : s)
+      for (int64_t i = 0; i < dim; ++i) s += qg[i] * kt[i];
+      sg[t] = s;
+    }
+    for (t = 0; t < num_keys; ++t) {
+      float s = sg[t] * fscale;
+      if (fcap > 0.f) s = fcap * std::tanh(s / fcap);
+      sg[t] = s;
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    float* sg = scores + g * block_size;
+    float block_max = -std::numeric_limits<float>::infinity();
+    for (int64_t t = 0; t < num_keys; ++t) block_max = std::max(block_max, sg[t]);
+    const float new_max = std::max(run_max[g], block_max);
+    const float correction = std::exp(run_max[g] - new_max);
+    float block_sum = 0.f;
+#pragma omp simd reduction(+ : block_sum)
+    for (int64_t t = 0; t < num_keys; ++t) {
+      sg[t] = exp_nonpos(sg[t] - new_max);
+      block_sum += sg[t];
+    }
+    float* ag = acc + g * dim;
+#pragma omp simd
+    for (int64_t i = 0; i < dim; ++i) ag[i] *= correction;
+    run_sum[g] = run_sum[g] * correction + block_sum;
+    run_max[g] = new_max;
+  }
+  if constexpr (kDim > 0) {
+    // one head's accumulator stays in registers over the block's values (a small local array
+    // the compiler can keep there; through `acc` every key would store and reload it)
+    for (int64_t g = 0; g < group; ++g) {
+      const float* sg = scores + g * block_size;
+      float* ag = acc + g * kDim;
+      float a[kDim];
+#pragma omp simd
+      for (int64_t i = 0; i < kDim; ++i) a[i] = ag[i];
+      for (int64_t t = 0; t < num_keys; ++t) {
+        const float p = sg[t];
+        const float* vt = v_block + t * stride;
+#pragma omp simd
+        for (int64_t i = 0; i < kDim; ++i) a[i] += p * vt[i];
+      }
+#pragma omp simd
+      for (int64_t i = 0; i < kDim; ++i) ag[i] = a[i];
+    }
+  } else {
+    for (int64_t t = 0; t < num_keys; ++t) {
+      const float* vt = v_block + t * stride;
+      for (int64_t g = 0; g < group; ++g) {
+        const float p = scores[g * block_size + t];
+        float* ag = acc + g * dim;
+#pragma omp simd
+        for (int64_t i = 0; i < dim; ++i) ag[i] += p * vt[i];
+      }
+    }
+  }
+}
+
 // The decode loop, for a float32 cache (Cache = float, no scales) or an int8 cache (Cache =
 // int8_t, one float32 scale per (slot, KV head) in k_scale / v_scale). The int8 variant
 // dequantizes each block's K and V rows of one KV head once into a small float buffer (it stays
 // in L1) and then runs the float32 loop on it, so the GQA group's query heads share the
 // conversion; the float32 variant reads the cache directly.
-template <typename Cache>
+template <typename Cache, int64_t kDim>
 void decode_loop(const float* q_ptr, const Cache* k_ptr, const Cache* v_ptr, const float* ks_ptr,
                  const float* vs_ptr, const int32_t* table_ptr, const int32_t* len_ptr,
                  float* out_ptr, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
@@ -98,34 +215,9 @@ void decode_loop(const float* q_ptr, const Cache* k_ptr, const Cache* v_ptr, con
           v_block = v_ptr + row * head_dim;
           stride = token_stride;
         }
-        for (int64_t g = 0; g < group; ++g) {
-          const float* qg = q_group + g * head_dim;
-          float* sg = scores.data() + g * block_size;
-          float block_max = -std::numeric_limits<float>::infinity();
-          for (int64_t t = 0; t < num_keys; ++t) {
-            sg[t] = dot(qg, k_block + t * stride, head_dim) * fscale;
-            if (fcap > 0.f) sg[t] = fcap * std::tanh(sg[t] / fcap);
-            block_max = std::max(block_max, sg[t]);
-          }
-          const float new_max = std::max(run_max[g], block_max);
-          const float correction = std::exp(run_max[g] - new_max);
-          float* ag = acc.data() + g * head_dim;
-          float block_sum = 0.f;
-          for (int64_t t = 0; t < num_keys; ++t) {
-            sg[t] = std::exp(sg[t] - new_max);
-            block_sum += sg[t];
-          }
-#pragma omp simd
-          for (int64_t i = 0; i < head_dim; ++i) ag[i] *= correction;
-          for (int64_t t = 0; t < num_keys; ++t) {
-            const float p = sg[t];
-            const float* vt = v_block + t * stride;
-#pragma omp simd
-            for (int64_t i = 0; i < head_dim; ++i) ag[i] += p * vt[i];
-          }
-          run_sum[g] = run_sum[g] * correction + block_sum;
-          run_max[g] = new_max;
-        }
+        attend_block<kDim>(q_group, k_block, v_block, stride, num_keys, group, head_dim,
+                           block_size, fscale, fcap, scores.data(), acc.data(), run_max.data(),
+                           run_sum.data());
       }
       float* o_group = out_ptr + (seq * num_heads + kv_head * group) * head_dim;
       for (int64_t g = 0; g < group; ++g) {
@@ -135,6 +227,27 @@ void decode_loop(const float* q_ptr, const Cache* k_ptr, const Cache* v_ptr, con
       }
     }
   });
+}
+
+// decode_loop with head_dim fixed at compile time where it is a common size
+template <typename Cache>
+void decode_dispatch(const float* q_ptr, const Cache* k_ptr, const Cache* v_ptr,
+                     const float* ks_ptr, const float* vs_ptr, const int32_t* table_ptr,
+                     const int32_t* len_ptr, float* out_ptr, int64_t num_seqs, int64_t num_heads,
+                     int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                     int64_t max_blocks, float fscale, float fcap, int64_t sliding_window) {
+  auto run = [&](auto dim_tag) {
+    decode_loop<Cache, decltype(dim_tag)::value>(
+        q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, len_ptr, out_ptr, num_seqs, num_heads,
+        num_kv_heads, head_dim, block_size, max_blocks, fscale, fcap, sliding_window);
+  };
+  if (head_dim == 64) {
+    run(std::integral_constant<int64_t, 64>());
+  } else if (head_dim == 128) {
+    run(std::integral_constant<int64_t, 128>());
+  } else {
+    run(std::integral_constant<int64_t, 0>());
+  }
 }
 
 void check_decode_inputs(const at::Tensor& q, const at::Tensor& k_cache,
@@ -174,7 +287,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   check_cpu_f32(v_cache, "v_cache");
   check_decode_inputs(q, k_cache, v_cache, block_tables, kv_lens, sliding_window, softcap);
   auto out = at::empty_like(q);
-  decode_loop<float>(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
+  decode_dispatch<float>(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
                      nullptr, nullptr, block_tables.data_ptr<int32_t>(),
                      kv_lens.data_ptr<int32_t>(), out.data_ptr<float>(), q.size(0), q.size(1),
                      k_cache.size(2), q.size(2), k_cache.size(1), block_tables.size(1),
@@ -193,7 +306,7 @@ at::Tensor paged_decode_attention_int8(const at::Tensor& q, const at::Tensor& k_
   check_int8_cache(v_cache, v_scale, "v_cache");
   check_decode_inputs(q, k_cache, v_cache, block_tables, kv_lens, sliding_window, softcap);
   auto out = at::empty_like(q);
-  decode_loop<int8_t>(q.data_ptr<float>(), k_cache.data_ptr<int8_t>(),
+  decode_dispatch<int8_t>(q.data_ptr<float>(), k_cache.data_ptr<int8_t>(),
                       v_cache.data_ptr<int8_t>(), k_scale.data_ptr<float>(),
                       v_scale.data_ptr<float>(), block_tables.data_ptr<int32_t>(),
                       kv_lens.data_ptr<int32_t>(), out.data_ptr<float>(), q.size(0), q.size(1),
@@ -204,10 +317,12 @@ at::Tensor paged_decode_attention_int8(const at::Tensor& q, const at::Tensor& k_
 
 void register_w8a8_ops(py::module& m);  // w8a8_ops.cpp
 void register_lora_ops(py::module& m);  // lora_ops.cpp
+void register_rotary_ops(py::module& m);  // rotary_ops.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_w8a8_ops(m);
   register_lora_ops(m);
+  register_rotary_ops(m);
   m.def("paged_decode_attention", &paged_decode_attention,
         "decode attention over the paged KV cache (float32, CPU)", py::arg("q"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("kv_lens"),
