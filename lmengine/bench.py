@@ -10,8 +10,10 @@ Same model, same prompts, float32 on the CPU, every system timed in the same run
 - W3 prefill: 8 chat prompts of ~1000 tokens, 16 new tokens. Prompt tokens/s until every
   request has its first token (transformers: a batch `generate` of one token).
 
-Every measurement has one untimed short warm-up per system, then `--repeat` timed runs; the
-tables show the best and the median run, and ratios of the best runs. Progress goes to stderr;
+Every measurement has one untimed short warm-up per system, then `--repeat` timed runs, those
+of lmengine and transformers static alternating on each workload (so load that drifts on a
+shared machine reaches both alike); the tables show the best and the median run, and ratios
+of the best runs. Progress goes to stderr;
 stdout holds the report (a plain table and the same as markdown).
 """
 
@@ -387,24 +389,48 @@ class Bench:
         run: Callable[[], list[float]],
     ) -> None:
         """Warm up once, then `repeat` timed runs; `run` returns one value per row."""
-        label = f"{rows[0].workload} {rows[0].system}"
-        try:
-            _log(f"{label}: warm-up")
-            warmup()
-            for r in range(self.repeat):
-                values = run()
-                for row, v in zip(rows, values, strict=True):
-                    row.runs.append(v)
+        self._measure_interleaved([(rows, warmup, run)])
+
+    def _measure_interleaved(
+        self, systems: list[tuple[list[Row], Callable[[], Any], Callable[[], list[float]]]]
+    ) -> None:
+        """Like `_measure` for several systems on one workload, their timed runs alternating
+        (run 1 of each, then run 2 of each, ...): load that drifts during the benchmark (a
+        shared machine) then reaches every system alike instead of whichever ran last."""
+        failed: set[int] = set()
+
+        def attempt(i: int, step: str, fn: Callable[[], Any]) -> Any:
+            rows = systems[i][0]
+            label = f"{rows[0].workload} {rows[0].system}"
+            try:
+                result = fn()
+            except Exception as e:
+                msg = f"{type(e).__name__}: {e}".strip()
+                _log(f"{label}: FAILED: {msg}\n{traceback.format_exc()}")
+                for row in rows:
+                    row.error = msg
+                failed.add(i)
+                return None
+            if step != "warm-up":
                 shown = ", ".join(
-                    f"{row.metric} {v:.2f}" for row, v in zip(rows, values, strict=True)
+                    f"{row.metric} {v:.2f}" for row, v in zip(rows, result, strict=True)
                 )
-                _log(f"{label}: run {r + 1}/{self.repeat}: {shown}")
-        except Exception as e:
-            msg = f"{type(e).__name__}: {e}".strip()
-            _log(f"{label}: FAILED: {msg}\n{traceback.format_exc()}")
-            for row in rows:
-                row.error = msg
-        self.rows.extend(rows)
+                _log(f"{label}: {step}: {shown}")
+            return result
+
+        for i, (rows, warmup, _) in enumerate(systems):
+            _log(f"{rows[0].workload} {rows[0].system}: warm-up")
+            attempt(i, "warm-up", warmup)
+        for r in range(self.repeat):
+            for i, (rows, _, run) in enumerate(systems):
+                if i in failed:
+                    continue
+                values = attempt(i, f"run {r + 1}/{self.repeat}", run)
+                if values is not None:
+                    for row, v in zip(rows, values, strict=True):
+                        row.runs.append(v)
+        for rows, _, _ in systems:
+            self.rows.extend(rows)
 
     def _on_engine_thread(self, fn: Callable[[], Any]) -> Any:
         """Run `fn` on lmengine's loop thread, between engine steps.
@@ -472,22 +498,25 @@ class Bench:
         )
 
         row = Row(title, LM, "output tok/s")
-        self._measure(
-            [row],
-            lambda: self._lm_batch(warm_ids, warm_new),
-            lambda: [total / self._lm_batch(ids, new)],
+        hf_row = Row(title, HF_STATIC, "output tok/s", note="generate, left-padded batch")
+        self._measure_interleaved(
+            [
+                (
+                    [row],
+                    lambda: self._lm_batch(warm_ids, warm_new),
+                    lambda: [total / self._lm_batch(ids, new)],
+                ),
+                (
+                    [hf_row],
+                    lambda: self._hf_generate(warm_ids, warm_new),
+                    lambda: [total / self._hf_generate(ids, new)],
+                ),
+            ]
         )
         try:
             row.note = f"preemptions={self.engine.stats()['num_preemptions']}"
         except Exception as e:  # the engine may be dead after a failure
             row.note = f"stats unavailable: {e!r}"
-
-        row = Row(title, HF_STATIC, "output tok/s", note="generate, left-padded batch")
-        self._measure(
-            [row],
-            lambda: self._hf_generate(warm_ids, warm_new),
-            lambda: [total / self._hf_generate(ids, new)],
-        )
         if not self.args.skip_hf_batch:
             self._w1_hf_cb(title, ids, new, warm_ids, warm_new)
 
@@ -575,7 +604,6 @@ class Bench:
             Row(title, LM, "TTFT ms", higher_is_better=False, note="EngineInstance.stream_infer"),
             Row(title, LM, "decode tok/s", note="EngineInstance.stream_infer"),
         ]
-        self._measure(lm_rows, lambda: self._lm_stream(ids, 4), lambda: self._lm_stream(ids, new))
 
         def hf_run() -> list[float]:
             ttft = self._hf_generate([ids], 1)
@@ -588,7 +616,12 @@ class Bench:
             Row(title, HF_STATIC, "TTFT ms", higher_is_better=False, note="generate(1)"),
             Row(title, HF_STATIC, "decode tok/s", note="(N-1) / (t generate(N) - t generate(1))"),
         ]
-        self._measure(hf_rows, lambda: self._hf_generate([ids], 4), hf_run)
+        self._measure_interleaved(
+            [
+                (lm_rows, lambda: self._lm_stream(ids, 4), lambda: self._lm_stream(ids, new)),
+                (hf_rows, lambda: self._hf_generate([ids], 4), hf_run),
+            ]
+        )
 
     def _lm_stream(self, ids: list[int], new: int) -> list[float]:
         """[TTFT ms, decode tok/s] of one request streamed through an EngineInstance."""
@@ -628,12 +661,16 @@ class Bench:
         warm = ids[: min(2, len(ids))]
 
         row = Row(title, LM, "prefill tok/s", note="Pipeline.stream_infer, first delta each")
-        self._measure([row], lambda: self._lm_first_tokens(warm, 2), lambda: [self._lm_w3(total)])
-        row = Row(title, HF_STATIC, "prefill tok/s", note="generate(1), left-padded batch")
-        self._measure(
-            [row],
-            lambda: self._hf_generate(warm, 1),
-            lambda: [total / self._hf_generate(ids, 1)],
+        hf_row = Row(title, HF_STATIC, "prefill tok/s", note="generate(1), left-padded batch")
+        self._measure_interleaved(
+            [
+                ([row], lambda: self._lm_first_tokens(warm, 2), lambda: [self._lm_w3(total)]),
+                (
+                    [hf_row],
+                    lambda: self._hf_generate(warm, 1),
+                    lambda: [total / self._hf_generate(ids, 1)],
+                ),
+            ]
         )
 
     def _lm_w3(self, total: int) -> float:
@@ -743,7 +780,8 @@ def _report(bench: Bench, info: dict[str, Any], command: str, ratios: dict) -> s
         f"max_prefill_token_num={cfg.max_prefill_token_num} num_gpu_blocks={cfg.num_gpu_blocks}"
     )
     how = (
-        f"1 untimed warm-up + {bench.repeat} timed run(s) per measurement; "
+        f"1 untimed warm-up + {bench.repeat} timed run(s) per measurement, lmengine and "
+        "transformers static runs alternating; "
         "'vs transformers static' = best run / best transformers static run "
         "(TTFT inverted: > 1 means lmengine is faster)"
     )

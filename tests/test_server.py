@@ -16,6 +16,7 @@ import re
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -50,14 +51,16 @@ def start_server(model: str, *flags: str, timeout: float = 400.0) -> tuple[subpr
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
     cmd = [sys.executable, "-m", "lmengine", "serve", model, "--port", str(port), *flags]
-    proc = subprocess.Popen(
-        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
+    # NOTE: output to a file, not a pipe: nobody reads a pipe while the tests run, and a
+    # server that logs a lot (tracebacks) would block once the pipe's buffer filled up
+    log = tempfile.TemporaryFile("w+")
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+    proc.log = log
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}:\n{proc.stdout.read()}")
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{server_output(proc)}")
         try:
             if httpx.get(url + "/health", timeout=1.0).status_code == 200:
                 return proc, url
@@ -65,7 +68,14 @@ def start_server(model: str, *flags: str, timeout: float = 400.0) -> tuple[subpr
             pass
         time.sleep(0.3)
     proc.kill()
-    raise RuntimeError(f"server did not start in {timeout} s:\n{proc.stdout.read()}")
+    raise RuntimeError(f"server did not start in {timeout} s:\n{server_output(proc)}")
+
+
+def server_output(proc: subprocess.Popen) -> str:
+    """Everything the server process printed so far."""
+    proc.log.flush()
+    proc.log.seek(0)
+    return proc.log.read()
 
 
 def stop_server(proc: subprocess.Popen) -> int:

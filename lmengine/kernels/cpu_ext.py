@@ -15,6 +15,7 @@ import importlib.machinery
 import importlib.util
 import logging
 import os
+import shutil
 import threading
 from pathlib import Path
 from types import ModuleType
@@ -25,6 +26,7 @@ _SOURCES = [
     _CSRC / name for name in ("cpu_ops.cpp", "w8a8_ops.cpp", "lora_ops.cpp", "rotary_ops.cpp")
 ]
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+_KEEP_BUILDS = 3  # older builds besides the current one that stay in the cache
 _lock = threading.Lock()
 _module: ModuleType | None = None
 _tried = False
@@ -61,7 +63,7 @@ def _build() -> ModuleType:
         if built.exists():
             return _import_built(name, built)
         (build_dir / "lock").unlink(missing_ok=True)  # a torch lock left by a killed build
-        return build(
+        module = build(
             name=name,
             sources=[str(path) for path in _SOURCES],
             extra_cflags=_CFLAGS,
@@ -69,6 +71,23 @@ def _build() -> ModuleType:
             build_directory=str(build_dir),
             verbose=False,
         )
+    _prune_old_builds(build_dir)
+    return module
+
+
+def _prune_old_builds(current: Path, keep: int = _KEEP_BUILDS) -> None:
+    """Delete all but the `keep` most recent other builds (every source edit makes a new
+    folder). A folder whose build lock another process holds is left alone; a process that
+    already imported a deleted build keeps working (the file stays open)."""
+    others = [d for d in current.parent.iterdir() if d.is_dir() and d != current]
+    others.sort(key=lambda d: d.stat().st_mtime, reverse=True)
+    for folder in others[keep:]:
+        try:
+            with open(folder / "build.flock", "a") as lock_file:
+                fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                shutil.rmtree(folder)
+        except OSError:  # in use, or already gone: leave it
+            continue
 
 
 def load() -> ModuleType | None:

@@ -91,3 +91,24 @@ def test_decode_kernel_sliding_window_and_softcap(ext, window, softcap):
     tables = meta.block_tables.contiguous()
     out = ext.paged_decode_attention(q, kc, vc, tables, meta.kv_lens, scale, window, softcap)
     torch.testing.assert_close(out, torch.stack(expected).float(), rtol=1e-5, atol=1e-5)
+
+
+def test_old_builds_are_pruned_but_not_one_in_use(tmp_path):
+    import fcntl
+    import os
+
+    folders = []
+    for i in range(7):  # current = the newest; then six older ones
+        folder = tmp_path / f"build{i}"
+        folder.mkdir()
+        (folder / "module.so").write_text("x")
+        (folder / "build.flock").touch()
+        os.utime(folder, (1000 + i, 1000 + i))  # after the files: they touch the folder
+        folders.append(folder)
+    current = folders[-1]
+    with open(folders[0] / "build.flock", "a") as held:  # another process is building it
+        fcntl.flock(held, fcntl.LOCK_EX)
+        cpu_ext._prune_old_builds(current, keep=3)
+    kept = sorted(p.name for p in tmp_path.iterdir())
+    # the three newest other builds and the locked one stay; build1 and build2 go
+    assert kept == ["build0", "build3", "build4", "build5", "build6"]
