@@ -65,6 +65,11 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(logits.isnan(), float("-inf")).argmax(-1)
 
 
+def greedy_one_hot(logits: torch.Tensor) -> torch.Tensor:
+    """The distribution of greedy decoding: per row, 1 on its `greedy` token, [rows, vocab]."""
+    return torch.zeros_like(logits).scatter_(1, greedy(logits)[:, None], 1.0)
+
+
 class Sampler:
     """Turns logits into tokens for a batch of sequences. Holds per-request generators."""
 
@@ -102,8 +107,7 @@ class Sampler:
         `gen_config`, `token_ids`, `generated_token_ids` and `num_generated_tokens`."""
         cfgs = [s.gen_config for s in seqs]
         logits = self._apply_penalties(logits.clone(), seqs)
-        probs = torch.zeros_like(logits)
-        probs.scatter_(1, greedy(logits)[:, None], 1.0)
+        probs = greedy_one_hot(logits)
         sample_rows = [i for i, c in enumerate(cfgs) if c.do_sample]
         if sample_rows:
             probs[sample_rows] = self._sampling_probs(
@@ -118,8 +122,7 @@ class Sampler:
         probs = self._warp(logits, cfgs).softmax(-1)
         bad = probs.isnan().any(-1)  # [rows]
         if bool(bad.any()):
-            one_hot = torch.zeros_like(probs[bad])
-            probs[bad] = one_hot.scatter_(1, greedy(logits[bad])[:, None], 1.0)
+            probs[bad] = greedy_one_hot(logits[bad])
         return probs
 
     def results(self, logits: torch.Tensor, tokens: list[int], cfgs: Seq) -> list[SampleResult]:

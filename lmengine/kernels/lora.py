@@ -163,8 +163,6 @@ def lora_add_cpu(
     float32; else tiles of one adapter each, padded to one size, two batched matmuls.
     `lora_cols` [pages, 2]: the [begin, end) columns where each page's B row can be non-zero
     (a hint: only the compiled kernel uses it to skip work; None means all columns)."""
-    if meta.tile_tokens.numel() == 0:
-        return out
     ext = cpu_ext.load()
     if ext is not None and all(
         t.dtype == torch.float32 and t.is_contiguous() for t in (out, x, lora_a, lora_b)
