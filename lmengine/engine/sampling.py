@@ -62,12 +62,29 @@ def openai_penalties(
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:
     """argmax per row, [rows]; NaN entries (0/0 under an extreme penalty) never win."""
-    return logits.masked_fill(logits.isnan(), float("-inf")).argmax(-1)
+    tokens = logits.argmax(-1)  # argmax takes a NaN for the maximum: only such rows need more
+    nan_rows = logits.gather(1, tokens[:, None])[:, 0].isnan()
+    if bool(nan_rows.any()):
+        rows = logits[nan_rows]
+        tokens[nan_rows] = rows.masked_fill(rows.isnan(), float("-inf")).argmax(-1)
+    return tokens
 
 
 def greedy_one_hot(logits: torch.Tensor) -> torch.Tensor:
     """The distribution of greedy decoding: per row, 1 on its `greedy` token, [rows, vocab]."""
     return torch.zeros_like(logits).scatter_(1, greedy(logits)[:, None], 1.0)
+
+
+def penalised(seqs: Seq) -> bool:
+    """Whether `Sampler._apply_penalties` changes any row of these sequences' logits."""
+    return any(
+        c.repetition_penalty != 1.0
+        or c.presence_penalty
+        or c.frequency_penalty
+        or c.no_repeat_ngram_size
+        or s.num_generated_tokens < c.min_new_tokens
+        for s, c in ((s, s.gen_config) for s in seqs)
+    )
 
 
 class Sampler:
@@ -91,7 +108,7 @@ class Sampler:
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampleResult]:
         """logits: [num_samples, vocab] float32, row i for seqs[i]."""
         cfgs = [s.gen_config for s in seqs]
-        processed = self._apply_penalties(logits.clone(), seqs)
+        processed = self._apply_penalties(logits.clone(), seqs) if penalised(seqs) else logits
         tokens = greedy(processed)  # [num_samples]
         sample_rows = [i for i, c in enumerate(cfgs) if c.do_sample]
         if sample_rows:
@@ -164,6 +181,9 @@ class Sampler:
         return out
 
     def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """Repetition, presence and frequency penalties, banned n-grams and the stop tokens
+        that min_new_tokens holds back, in place on `logits`; `penalised` says whether any
+        of them applies."""
         cfgs = [s.gen_config for s in seqs]
         rows = [i for i, c in enumerate(cfgs) if c.repetition_penalty != 1.0]
         if rows:

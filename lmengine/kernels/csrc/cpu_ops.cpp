@@ -61,6 +61,69 @@ inline float exp_nonpos(float x) {
   return x <= -87.3f ? 0.f : p * scale;
 }
 
+// Eight floats as one vector (GCC / Clang vector extension: AVX on x86, NEON pairs on ARM).
+// aligned(4): loads and stores through it may be unaligned (cache rows are 4-byte aligned).
+typedef float v8f __attribute__((vector_size(32), aligned(4)));
+
+inline v8f load8(const float* p) { return *reinterpret_cast<const v8f*>(p); }
+
+inline float hsum8(v8f a) {
+  typedef float v4f __attribute__((vector_size(16)));
+  v4f h = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  h = h + __builtin_shufflevector(h, h, 2, 3, 0, 1);
+  return h[0] + h[1];
+}
+
+// Scaled (and capped) scores of one block: s[g * block_size + t] = q_g . k_t for every query
+// head g of the group and key t. head_dim fixed at kDim (a multiple of 8): each key row is
+// loaded once into registers and serves the whole group; two partial sums per dot product.
+template <int64_t kDim>
+inline void block_scores(const float* q_group, const float* k_block, int64_t stride,
+                         int64_t num_keys, int64_t group, int64_t block_size, float fscale,
+                         float fcap, float* scores) {
+  constexpr int64_t kVec = kDim / 8;
+  for (int64_t t = 0; t < num_keys; ++t) {
+    const float* kt = k_block + t * stride;
+    v8f k[kVec];
+    for (int64_t j = 0; j < kVec; ++j) k[j] = load8(kt + 8 * j);
+    for (int64_t g = 0; g < group; ++g) {
+      const float* qg = q_group + g * kDim;
+      v8f a0 = load8(qg) * k[0], a1 = load8(qg + 8) * k[1];
+      for (int64_t j = 2; j < kVec; j += 2) {
+        a0 += load8(qg + 8 * j) * k[j];
+        a1 += load8(qg + 8 * j + 8) * k[j + 1];
+      }
+      scores[g * block_size + t] = hsum8(a0 + a1) * fscale;
+    }
+  }
+  if (fcap > 0.f) {
+    for (int64_t g = 0; g < group; ++g)
+      for (int64_t t = 0; t < num_keys; ++t) {
+        float& s = scores[g * block_size + t];
+        s = fcap * std::tanh(s / fcap);
+      }
+  }
+}
+
+// acc_g += sum_t p[g][t] * v_t for every head g, the head's kDim accumulator in registers.
+template <int64_t kDim>
+inline void block_values(const float* v_block, int64_t stride, int64_t num_keys, int64_t group,
+                         int64_t block_size, const float* scores, float* acc) {
+  constexpr int64_t kVec = kDim / 8;
+  for (int64_t g = 0; g < group; ++g) {
+    const float* sg = scores + g * block_size;
+    float* ag = acc + g * kDim;
+    v8f a[kVec];
+    for (int64_t j = 0; j < kVec; ++j) a[j] = load8(ag + 8 * j);
+    for (int64_t t = 0; t < num_keys; ++t) {
+      const float* vt = v_block + t * stride;
+      const float p = sg[t];
+      for (int64_t j = 0; j < kVec; ++j) a[j] += p * load8(vt + 8 * j);
+    }
+    for (int64_t j = 0; j < kVec; ++j) *reinterpret_cast<v8f*>(ag + 8 * j) = a[j];
+  }
+}
+
 // One block of keys for the `group` query heads of one KV head, online softmax. kDim > 0 fixes
 // head_dim at compile time (64, 128: the loops over it unroll into registers); 0 reads `dim`.
 // Each key row and value row is loaded once for the whole group: scores for every (head,
@@ -71,6 +134,10 @@ inline void attend_block(const float* q_group, const float* k_block, const float
                          int64_t block_size, float fscale, float fcap, float* scores,
                          float* acc, float* run_max, float* run_sum) {
   const int64_t dim = kDim > 0 ? kDim : dim_rt;
+  if constexpr (kDim > 0) {
+    block_scores<kDim>(q_group, k_block, stride, num_keys, group, block_size, fscale, fcap,
+                       scores);
+  } else {
   for (int64_t g = 0; g < group; ++g) {
     const float* qg = q_group + g * dim;
     float* sg = scores + g * block_size;
@@ -106,6 +173,7 @@ inline void attend_block(const float* q_group, const float* k_block, const float
       sg[t] = s;
     }
   }
+  }
   for (int64_t g = 0; g < group; ++g) {
     float* sg = scores + g * block_size;
     float block_max = -std::numeric_limits<float>::infinity();
@@ -125,23 +193,7 @@ inline void attend_block(const float* q_group, const float* k_block, const float
     run_max[g] = new_max;
   }
   if constexpr (kDim > 0) {
-    // one head's accumulator stays in registers over the block's values (a small local array
-    // the compiler can keep there; through `acc` every key would store and reload it)
-    for (int64_t g = 0; g < group; ++g) {
-      const float* sg = scores + g * block_size;
-      float* ag = acc + g * kDim;
-      float a[kDim];
-#pragma omp simd
-      for (int64_t i = 0; i < kDim; ++i) a[i] = ag[i];
-      for (int64_t t = 0; t < num_keys; ++t) {
-        const float p = sg[t];
-        const float* vt = v_block + t * stride;
-#pragma omp simd
-        for (int64_t i = 0; i < kDim; ++i) a[i] += p * vt[i];
-      }
-#pragma omp simd
-      for (int64_t i = 0; i < kDim; ++i) ag[i] = a[i];
-    }
+    block_values<kDim>(v_block, stride, num_keys, group, block_size, scores, acc);
   } else {
     for (int64_t t = 0; t < num_keys; ++t) {
       const float* vt = v_block + t * stride;
@@ -190,6 +242,20 @@ void decode_loop(const float* q_ptr, const Cache* k_ptr, const Cache* v_ptr, con
         const int64_t first = std::max<int64_t>(first_key - blk * block_size, 0);
         const int64_t num_keys = std::min(block_size, kv_len - blk * block_size) - first;
         const int64_t row = (block_id * block_size + first) * num_kv_heads + kv_head;
+        if ((blk + 1) * block_size < kv_len) {
+          // the next block sits anywhere in the pool: ask for its rows while this one runs
+          const int64_t next = (table_ptr[seq * max_blocks + blk + 1] * block_size) * num_kv_heads + kv_head;
+          const int64_t n_next = std::min(block_size, kv_len - (blk + 1) * block_size);
+          constexpr int64_t kLine = 64 / sizeof(Cache);  // elements per cache line
+          for (int64_t t = 0; t < n_next; ++t) {
+            const Cache* kt = k_ptr + (next + t * num_kv_heads) * head_dim;
+            const Cache* vt = v_ptr + (next + t * num_kv_heads) * head_dim;
+            for (int64_t i = 0; i < head_dim; i += kLine) {
+              __builtin_prefetch(kt + i);
+              __builtin_prefetch(vt + i);
+            }
+          }
+        }
         const float* k_block;
         const float* v_block;
         int64_t stride;  // between the keys of k_block / v_block
