@@ -227,6 +227,7 @@ def cmd_quantize(args) -> int:
         calib_file=args.calib_file,
         show_progress=not args.quiet,
         fold_rows=args.fold_rows,
+        int8_lm_head=not args.float_lm_head,
     )
     print(f"wrote {out} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     return 0
@@ -252,6 +253,11 @@ def _add_quantize_parser(sub) -> None:
         "--fold-rows",
         action="store_true",
         help="also smooth o_proj/down_proj inputs into the v/up rows (worse on SmolLM2)",
+    )
+    quant.add_argument(
+        "--float-lm-head",
+        action="store_true",
+        help="keep the LM head in float (default: int8 per vocabulary row, as the linears)",
     )
     quant.add_argument("--quiet", action="store_true", help="no progress bar")
     quant.set_defaults(func=cmd_quantize)

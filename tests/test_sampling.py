@@ -197,3 +197,24 @@ def test_engine_logprobs(engine):
     for tok, lp in zip(r.token_ids, r.logprobs):
         assert tok in lp and len(lp) >= 3
         assert lp[tok] == max(lp.values())  # greedy picks the most likely token
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "torch"])
+def test_greedy_is_torch_argmax_with_ties_infs_and_nans(compiled, monkeypatch):
+    """The compiled argmax takes the first maximum, like torch's; a NaN row falls back to the
+    best non-NaN token."""
+    from lmengine.engine.sampling import argmax_rows, greedy
+    from lmengine.kernels import cpu_ext
+
+    if not compiled:
+        monkeypatch.setattr(cpu_ext, "load", lambda: None)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 49152, generator=gen)
+    x[1, 7] = x[1, 40000] = x[1].max() + 1.0  # a tie: the first one wins
+    x[2] = float("-inf")  # all -inf: index 0, as torch
+    x[3, 5] = float("inf")
+    x[4, 9] = float("nan")  # NaN counts as the maximum in argmax ...
+    assert torch.equal(argmax_rows(x), x.argmax(-1))
+    tokens = greedy(x)  # ... and greedy skips it
+    assert tokens[4] == x[4].nan_to_num(nan=float("-inf")).argmax()
+    assert torch.equal(tokens[[0, 1, 2, 3, 5]], x[[0, 1, 2, 3, 5]].argmax(-1))

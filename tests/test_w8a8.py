@@ -40,7 +40,27 @@ def test_checkpoint_records_quantization(tiny_w8a8_path):
     assert state["model.layers.0.self_attn.qkv_proj.weight"].dtype == torch.int8
     assert state["model.layers.1.mlp.down_proj.weight"].dtype == torch.int8
     assert state["model.layers.0.mlp.gate_up_proj.weight_scale"].dtype == torch.float32
-    assert state["lm_head.weight"].dtype == torch.float32  # the head stays float
+    # the head is stored float (or tied to the embeddings) and quantized when loaded
+    assert state.get("lm_head.weight", state["model.embed_tokens.weight"]).dtype == torch.float32
+    assert qc["lm_head"] == "int8" and "lm_head" not in qc["not_quantized"]
+
+
+def test_lm_head_int8_by_default_float_on_request(tiny_w8a8_path, tiny_llama_path, tmp_path):
+    from lmengine.models.layers import PackedLinear
+
+    with Engine.from_pretrained(tiny_w8a8_path, EngineConfig(num_gpu_blocks=8)) as engine:
+        model = engine.model_agent.model
+        assert isinstance(model.lm_head, W8A8Linear)
+        assert model.lm_head.weight.shape == model.model.embed_tokens.weight.shape
+        assert model.model.embed_tokens.weight.dtype == torch.float32  # lookups stay float
+    out = tmp_path / "float_head"
+    argv = ["quantize", "w8a8", tiny_llama_path, "--out", str(out), "--float-lm-head"]
+    assert main(argv + ["--calib-samples", "2", "--calib-seqlen", "16", "--quiet"]) == 0
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["lm_head"] == (
+        "float"
+    )
+    with Engine.from_pretrained(str(out), EngineConfig(num_gpu_blocks=8)) as engine:
+        assert isinstance(engine.model_agent.model.lm_head, PackedLinear)
 
 
 def _fake_quant_reference(float_path: str, quant_path: str):
@@ -79,6 +99,13 @@ def _fake_quant_reference(float_path: str, quant_path: str):
                 lin.register_forward_pre_hook(fake_quant)
             for lin in (mlp.gate_proj, mlp.up_proj, mlp.down_proj):
                 lin.register_forward_pre_hook(fake_quant)
+        qc = json.loads((Path(quant_path) / "config.json").read_text())["quantization_config"]
+        if qc.get("lm_head") == "int8":  # per vocabulary row, from the float head
+            w = model.lm_head.weight.detach()
+            amax = w.abs().amax(dim=1, keepdim=True).clamp(min=1e-8)
+            deq = torch.round(w * (127 / amax)).clamp(-127, 127) * (amax / 127)
+            model.lm_head.weight = torch.nn.Parameter(deq)  # NOTE: unties the embeddings
+            model.lm_head.register_forward_pre_hook(fake_quant)
     return model
 
 

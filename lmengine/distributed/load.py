@@ -86,10 +86,11 @@ def load_shard(
     """This rank's patched, sharded model in eval mode on `device`, and the model's info."""
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
-    from lmengine.quant.w8a8 import quantize_model, read_quant_config
+    from lmengine.quant.w8a8 import quantize_lm_head, quantize_model, read_quant_config
 
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    is_w8a8 = read_quant_config(path) is not None
+    quant_config = read_quant_config(path)
+    is_w8a8 = quant_config is not None
     if is_w8a8:
         del config.quantization_config  # NOTE: transformers knows no such quantizer
     try:
@@ -110,6 +111,8 @@ def load_shard(
         quantize_model(model, None, None, quantize_weights=False)
     load = shard_model(model, rank, tp)
     materialize(model, load, CheckpointReader(path), device)
+    if is_w8a8 and quant_config.get("lm_head") == "int8":
+        quantize_lm_head(model)  # this rank's vocabulary rows, exactly as with tp=1
     return model, info
 
 

@@ -61,6 +61,7 @@ class RowParallelW8A8Linear(W8A8Linear):
     per-output-channel scales are whole on every rank."""
 
     local_scales = False  # per-shard input scales (measurement only, see the module doc)
+    takes_quantized_input = False
 
     @classmethod
     def convert(cls, module: W8A8Linear) -> RowParallelW8A8Linear:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lmengine.kernels import cpu_ext
 from lmengine.scheduler.sequence import Sequence
 
 
@@ -62,12 +63,22 @@ def openai_penalties(
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:
     """argmax per row, [rows]; NaN entries (0/0 under an extreme penalty) never win."""
-    tokens = logits.argmax(-1)  # argmax takes a NaN for the maximum: only such rows need more
+    tokens = argmax_rows(logits)  # a NaN counts as the maximum: only such rows need more
     nan_rows = logits.gather(1, tokens[:, None])[:, 0].isnan()
     if bool(nan_rows.any()):
         rows = logits[nan_rows]
         tokens[nan_rows] = rows.masked_fill(rows.isnan(), float("-inf")).argmax(-1)
     return tokens
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """`x.argmax(-1)` of a 2-D tensor (the first maximum; a row's first NaN if it has one),
+    compiled on the CPU, where torch's argmax is ~10x slower than a vectorised max."""
+    if x.dim() == 2 and x.dtype == torch.float32 and not x.is_cuda and x.is_contiguous():
+        ext = cpu_ext.load()
+        if ext is not None and x.shape[1] > 0:
+            return ext.argmax_rows(x)
+    return x.argmax(-1)
 
 
 def greedy_one_hot(logits: torch.Tensor) -> torch.Tensor:

@@ -25,6 +25,7 @@ _CSRC = Path(__file__).resolve().parent / "csrc"
 _SOURCES = [
     _CSRC / name for name in ("cpu_ops.cpp", "w8a8_ops.cpp", "lora_ops.cpp", "rotary_ops.cpp")
 ]
+_HEADERS = [_CSRC / "vec_math.h"]  # included by the sources: part of the build's hash
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 _KEEP_BUILDS = 3  # older builds besides the current one that stay in the cache
 _lock = threading.Lock()
@@ -49,7 +50,7 @@ def _build() -> ModuleType:
     import torch  # noqa: F401 - the extension links against the loaded torch libraries
     from torch.utils.cpp_extension import load as build
 
-    sources = b"".join(path.read_bytes() for path in _SOURCES)
+    sources = b"".join(path.read_bytes() for path in _SOURCES + _HEADERS)
     digest = hashlib.sha256(sources + " ".join(_CFLAGS).encode()).hexdigest()[:16]
     name = f"lmengine_cpu_ops_{digest}"
     root = Path(os.environ.get("LMENGINE_CACHE", Path.home() / ".cache" / "lmengine"))

@@ -11,7 +11,9 @@ Each op has a PyTorch reference (`*_ref`), a CPU path and a Triton kernel on CUD
 (`lmengine.kernels.triton.w8a8`). The public functions dispatch on the device of their inputs.
 The CPU path is the compiled kernels of `csrc/w8a8_ops.cpp` (one call per quantization or
 linear, bit-identical to the references; the GEMM is `torch._int_mm`, which uses VNNI int8
-dot products on this CPU), or vectorised eager torch where they are not built.
+dot products on this CPU; the fused RMSNorm + quantization sums its squares in its own order,
+as the Triton kernel does, so it may land one int8 step from the reference on a rounding
+boundary), or vectorised eager torch where they are not built.
 """
 
 from __future__ import annotations
@@ -85,6 +87,13 @@ def rms_norm_quant_ref(
     return q, scale, summed
 
 
+def _compiled_norm_takes(
+    x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None
+) -> bool:
+    tensors = [x, weight] + ([residual] if residual is not None else [])
+    return all(t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
+
+
 def rms_norm_quant(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -98,6 +107,10 @@ def rms_norm_quant(
         from lmengine.kernels.triton.w8a8 import rms_norm_quant_triton
 
         return rms_norm_quant_triton(x, weight, eps, residual)
+    ops = cpu_ext.load()
+    if ops is not None and _compiled_norm_takes(x, weight, residual):
+        q, scale, summed = ops.w8a8_rms_norm_quant(x, weight, eps, residual)
+        return q, scale, summed if residual is not None else None
     summed = None if residual is None else residual + x
     src = x if summed is None else summed
     if src.dtype == torch.float32 and weight.dtype == torch.float32:
@@ -109,6 +122,32 @@ def rms_norm_quant(
         normed = rms_norm_ref(src, weight, eps)
     q, scale = per_token_quant_cpu(normed)
     return q, scale, summed
+
+
+# ---- SwiGLU product (+ quantization) -------------------------------------------------------------
+
+
+def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
+    """[num_tokens, 2 * inter] (gate, then up) -> silu(gate) * up, [num_tokens, inter]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+def silu_mul_cpu(
+    gate_up: torch.Tensor, quantize: bool
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
+    """`silu_mul_ref` in one compiled pass (silu within a few ulp of torch's), quantized per
+    token in the same pass when `quantize` ((q, scale) as `per_token_quant`); None where the
+    compiled kernels cannot take it (not float32 CPU rows, or not built)."""
+    if gate_up.is_cuda or gate_up.dtype != torch.float32 or gate_up.dim() != 2:
+        return None
+    if gate_up.stride(-1) != 1 or gate_up.shape[-1] % 2:
+        return None
+    ops = cpu_ext.load()
+    if ops is None:
+        return None
+    out, scale = ops.w8a8_silu_mul(gate_up, quantize)
+    return (out, scale) if quantize else out
 
 
 # ---- int8 GEMM ----------------------------------------------------------------------------------

@@ -13,15 +13,17 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from transformers.activations import SiLUActivation
 
 from lmengine.kernels.w8a8 import (
     QMAX,
     int8_gemm,
     per_token_quant,
     rms_norm_quant,
+    silu_mul_cpu,
     w8a8_linear_cpu,
 )
-from lmengine.models.llama import PatchedRMSNorm
+from lmengine.models.llama import PatchedLlamaMLP, PatchedRMSNorm
 
 
 @dataclass
@@ -66,6 +68,10 @@ class W8A8Linear(nn.Module):
     Takes a `QuantizedActivation` from a W8A8RMSNorm, or a float tensor that it quantizes
     itself. Keeps `source_names` / `output_sizes` / `split` of the MergedLinear it replaces.
     """
+
+    # False where the layer must quantize a float input itself (row-parallel under TP: the
+    # ranks agree on the per-token scale first)
+    takes_quantized_input = True
 
     def __init__(
         self,
@@ -130,10 +136,35 @@ class W8A8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int8"
 
 
+class W8A8LlamaMLP(PatchedLlamaMLP):
+    """SwiGLU whose silu(gate) * up is one compiled pass on the CPU, quantized in the same pass
+    for the down projection (the eager silu, multiply and quantization are three more passes
+    over [num_tokens, intermediate]). Swapped in place: the (W8A8) linears stay."""
+
+    def forward(self, x: torch.Tensor | QuantizedActivation) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate] float
+        if (
+            isinstance(self.act_fn, (SiLUActivation, nn.SiLU))
+            and self.gate_up_proj.output_sizes[0] * 2 == gate_up.shape[-1]
+        ):
+            if self.down_proj.takes_quantized_input:
+                quantized = silu_mul_cpu(gate_up, quantize=True)
+                if quantized is not None:
+                    return self.down_proj(QuantizedActivation(*quantized, gate_up.dtype))
+            else:  # the same act values, quantized by the layer with its agreed scale
+                act = silu_mul_cpu(gate_up, quantize=False)
+                if act is not None:
+                    return self.down_proj(act)
+        gate, up = self.gate_up_proj.split(gate_up)
+        return self.down_proj(self.act_fn(gate) * up)
+
+
 # Class of a patched module -> its W8A8 replacement. Linears are rebuilt (`from_float`: the
-# parameters change type); norms are swapped in place (the weight stays, the forward changes).
+# parameters change type); norms and MLPs are swapped in place (the weights stay, the forward
+# changes).
 W8A8_MODULE_MAP: dict[str, str] = {
     "lmengine.models.layers.PackedLinear": "lmengine.models.w8a8.W8A8Linear",
     "lmengine.models.layers.MergedLinear": "lmengine.models.w8a8.W8A8Linear",
     "lmengine.models.llama.PatchedRMSNorm": "lmengine.models.w8a8.W8A8RMSNorm",
+    "lmengine.models.llama.PatchedLlamaMLP": "lmengine.models.w8a8.W8A8LlamaMLP",
 }

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from lmengine.models.llama import PatchedRMSNorm
 from lmengine.models.patch import _import, qualname
 from lmengine.models.w8a8 import W8A8_MODULE_MAP, W8A8Linear
 
@@ -156,8 +157,8 @@ def smooth_layer(
 
 def convert_layer(layer: nn.Module, layout: W8A8Layout, quantize: bool = True) -> None:
     """Swap the linears of a patched decoder layer for W8A8Linears (quantizing their current
-    weights unless `quantize` is False) and the norms that feed them for W8A8RMSNorms, through
-    W8A8_MODULE_MAP."""
+    weights unless `quantize` is False), its MLP for the W8A8 one and the norms that feed the
+    linears for W8A8RMSNorms, through W8A8_MODULE_MAP."""
     for path, module in list(layer.named_modules()):
         target = W8A8_MODULE_MAP.get(qualname(type(module)))
         if target is None or not issubclass(_import(target), W8A8Linear):
@@ -165,6 +166,11 @@ def convert_layer(layer: nn.Module, layout: W8A8Layout, quantize: bool = True) -
         parent_path, _, name = path.rpartition(".")
         parent = layer.get_submodule(parent_path) if parent_path else layer
         setattr(parent, name, _import(target).from_float(module, quantize))
+    for module in layer.modules():  # MLPs: a W8A8 forward on the same submodules
+        target = W8A8_MODULE_MAP.get(qualname(type(module)))
+        if target is not None and issubclass(_import(target), type(module)):
+            if not isinstance(module, PatchedRMSNorm):  # norms: only those feeding int8
+                module.__class__ = _import(target)
     for norm_name, _ in layout.norm_groups:
         norm = layer.get_submodule(norm_name)
         target = W8A8_MODULE_MAP.get(qualname(type(norm)))
@@ -291,7 +297,23 @@ def load_quantized(model: nn.Module, path: str | Path) -> nn.Module:
     for module in model.modules():
         if isinstance(module, PackedLinear):
             module.repack()
+    if (read_quant_config(path) or {}).get("lm_head") == "int8":
+        quantize_lm_head(model)
     return model
+
+
+def quantize_lm_head(model: nn.Module) -> None:
+    """Run the LM head as a W8A8Linear quantized from its float weight (tied or not), per
+    vocabulary row: a tensor-parallel rank's rows quantize exactly as they do in the whole
+    model. The float module's hooks (the tensor-parallel logits gather) move to the new one;
+    a tied embedding keeps its float weight for the lookups."""
+    head = model.get_output_embeddings()
+    if isinstance(head, W8A8Linear):
+        return
+    quantized = W8A8Linear.from_float(head)
+    quantized._forward_pre_hooks.update(head._forward_pre_hooks)
+    quantized._forward_hooks.update(head._forward_hooks)
+    model.set_output_embeddings(quantized)
 
 
 def check_engine_support(engine_config) -> None:
@@ -362,13 +384,16 @@ def quantize_checkpoint(
     show_progress: bool = True,
     act_maxima: dict[str, torch.Tensor] | None = None,
     fold_rows: bool = False,
+    int8_lm_head: bool = True,
 ) -> Path:
     """Calibrate, smooth, quantize and save; returns the output folder.
 
     alpha=None: no smoothing and no calibration (plain W8A8, for comparison). `act_maxima`
     from an earlier `calibrate` of the same model skips the calibration run. `fold_rows` also
     smooths o_proj and down_proj inputs into the v and up rows (off by default: on SmolLM2 it
-    raised perplexity, see README).
+    raised perplexity, see README). `int8_lm_head`: the checkpoint says to run the LM head
+    in int8 too (per vocabulary row, activations per token, not smoothed; quantized from the
+    float head when loaded, see `quantize_lm_head`).
     """
     from lmengine.engine.loader import load_model_and_tokenizer
     from lmengine.models import patch
@@ -401,6 +426,7 @@ def quantize_checkpoint(
         "calib_source": (calib_file or "python stdlib docstrings") if smoothed else None,
         "calib_seconds": round(calib_s, 1),
         "source_model": str(path),
-        "not_quantized": ["embeddings", "lm_head", "final norm"],
+        "lm_head": "int8" if int8_lm_head else "float",
+        "not_quantized": ["embeddings", "final norm"] + ([] if int8_lm_head else ["lm_head"]),
     }
     return save_quantized(model, tokenizer, out_dir, quant_config)

@@ -136,10 +136,34 @@ def test_rms_norm_quant_cpu_is_reference(shape, with_residual, cpu_path):
     res = residual if with_residual else None
     q, scale, summed = rms_norm_quant(x, weight, EPS, res)
     q_ref, scale_ref, summed_ref = rms_norm_quant_ref(x, weight, EPS, res)
-    # torch.rms_norm is bit-identical to the reference in float32 (tests/kernels/test_rms_norm)
-    assert torch.equal(q, q_ref) and torch.equal(scale, scale_ref)
+    if cpu_path == "eager":
+        # torch.rms_norm is bit-identical to the reference in float32 (test_rms_norm)
+        assert torch.equal(q, q_ref) and torch.equal(scale, scale_ref)
+    else:  # one pass: the sum of squares in another order, as the Triton kernel
+        _assert_norm_quant_close(q, scale, q_ref, scale_ref, rtol=1e-5)
     if with_residual:
         assert torch.equal(summed, summed_ref)
+
+
+def _assert_norm_quant_close(q, scale, q_ref, scale_ref, rtol):
+    """A norm reduced in another order than the reference: last-bit differences in rstd, so a
+    value on a rounding boundary may land one int8 step away; scales within `rtol`."""
+    diff = (q.int() - q_ref.int()).abs()
+    assert diff.max() <= 1 and (diff > 0).float().mean() <= 0.02
+    torch.testing.assert_close(scale, scale_ref, rtol=rtol, atol=0)
+
+
+def test_rms_norm_quant_compiled_on_a_decode_batch(cpu_path):
+    """SmolLM2's shape (64 rows of 576): the compiled kernel against the reference, and a
+    norm with its weight 1 % off must fail the same check."""
+    x, residual, weight = _norm_inputs((64, 576), torch.float32, seed=3)
+    q, scale, summed = rms_norm_quant(x, weight, EPS, residual)
+    q_ref, scale_ref, summed_ref = rms_norm_quant_ref(x, weight, EPS, residual)
+    _assert_norm_quant_close(q, scale, q_ref, scale_ref, rtol=1e-5)
+    assert torch.equal(summed, summed_ref)
+    q_bad, scale_bad, _ = rms_norm_quant_ref(x, weight * 1.01, EPS, residual)
+    with pytest.raises(AssertionError):
+        _assert_norm_quant_close(q_bad, scale_bad, q_ref, scale_ref, rtol=1e-5)
 
 
 @pytest.mark.parametrize("shape", ROW_SHAPES)
@@ -156,10 +180,7 @@ def test_rms_norm_quant_triton(triton_device, shape, with_residual, dtype):
     # The sum of squares is reduced in another order (float32: last-bit differences in rstd;
     # float16: also the weight product stays float32 here): a value sitting on a rounding
     # boundary may land one step away. Scales within 1e-5 relative (float32), one float16 ulp.
-    diff = (q.int() - q_ref.int()).abs()
-    assert diff.max() <= 1 and (diff > 0).float().mean() <= 0.02
-    rtol = 1e-5 if dtype == torch.float32 else 1e-3
-    torch.testing.assert_close(scale, scale_ref, rtol=rtol, atol=0)
+    _assert_norm_quant_close(q, scale, q_ref, scale_ref, 1e-5 if dtype == torch.float32 else 1e-3)
     if with_residual:
         assert torch.equal(summed, summed_ref)  # the add rounds to the input dtype, as torch
 
@@ -268,3 +289,25 @@ def test_linear_on_quantized_operands_tracks_float():
     out = int8_gemm(*per_token_quant(x), w_q, w_scale)
     rel = (out - x @ w.t()).norm() / (x @ w.t()).norm()
     assert rel < 0.02
+
+
+# ---- SwiGLU product + quantization ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rows", [1, 64])
+def test_silu_mul_compiled_against_reference(rows):
+    """silu(gate) * up in one compiled pass: float output within a few ulp of torch's, the
+    quantized output within one int8 step; a column-sliced (strided) gate_up works."""
+    from lmengine.kernels.w8a8 import silu_mul_cpu, silu_mul_ref
+
+    gen = torch.Generator().manual_seed(rows)
+    wide = torch.randn(rows, 2 * 1536 + 8, generator=gen) * 4.0
+    wide[0, :3] = torch.tensor([-100.0, 100.0, 0.0])  # saturated exp, both ways
+    gate_up = wide[:, 8:]  # rows contiguous, not the whole tensor
+    ref = silu_mul_ref(gate_up)
+    act = silu_mul_cpu(gate_up, quantize=False)
+    assert act is not None, "the compiled CPU kernels did not build"
+    torch.testing.assert_close(act, ref, rtol=1e-6, atol=1e-6)
+    q, scale = silu_mul_cpu(gate_up, quantize=True)
+    q_ref, scale_ref = per_token_quant_ref(ref)
+    _assert_norm_quant_close(q, scale, q_ref, scale_ref, rtol=1e-6)

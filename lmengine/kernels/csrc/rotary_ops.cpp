@@ -80,7 +80,9 @@ at::Tensor rotary_fill_kv(const at::Tensor& q, const at::Tensor& k, const at::Te
   float* vc = v_cache.data_ptr<float>();
   const int64_t qs = q.stride(0), ks = k.stride(0), vs = v.stride(0);
   const int64_t row = kv_heads * dim;  // one slot of a cache
-  const int64_t grain = std::max<int64_t>(1, 4096 / ((heads + 2 * kv_heads) * dim));
+  // ~64K floats per task: a decode batch (tens of tokens, a few microseconds of work) stays
+  // on one thread, without a fork / join that costs more than the work on a busy machine
+  const int64_t grain = std::max<int64_t>(1, 65536 / ((heads + 2 * kv_heads) * dim));
   at::parallel_for(0, num_tokens, grain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float* c = cp + t * dim;

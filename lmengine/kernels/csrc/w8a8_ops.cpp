@@ -14,6 +14,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <vector>
+
+#include "vec_math.h"
 
 namespace {
 
@@ -54,6 +57,33 @@ __attribute__((optimize("fp-contract=off"))) void dequant_rows(
       for (int64_t j = 0; j < n; ++j) o[j] = static_cast<float>(a[j]) * s * w_scale[j];
     }
   }
+}
+
+// One row of w8a8_rms_norm_quant: normalised = weight * (src * (1 / sqrt(mean(src^2) + eps)))
+// into `buf`, then quantized as quant_rows does. src = residual + x (written to `summed`) or x.
+void norm_quant_row(const float* x, const float* residual, float* summed, const float* weight,
+                    float eps, int64_t k, float* buf, int8_t* q, float* scale) {
+  const float* src = x;
+  if (residual != nullptr) {
+#pragma omp simd
+    for (int64_t i = 0; i < k; ++i) summed[i] = residual[i] + x[i];
+    src = summed;
+  }
+  float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t i = 0; i < k; ++i) ss += src[i] * src[i];
+  const float r = 1.0f / std::sqrt(ss / static_cast<float>(k) + eps);
+  float amax = 0.0f;
+#pragma omp simd reduction(max : amax)
+  for (int64_t i = 0; i < k; ++i) {
+    buf[i] = weight[i] * (src[i] * r);
+    amax = std::max(amax, std::fabs(buf[i]));
+  }
+  amax = std::max(amax, kMinAmax);
+  const float inv = kQmax / amax;
+#pragma omp simd
+  for (int64_t i = 0; i < k; ++i) q[i] = static_cast<int8_t>(std::nearbyint(buf[i] * inv));
+  *scale = amax / kQmax;
 }
 
 int64_t grain(int64_t row_elems) {
@@ -115,6 +145,78 @@ at::Tensor w8a8_linear(const at::Tensor& q, const at::Tensor& a_scale, const at:
   return out;
 }
 
+// RMSNorm (of residual + x when residual is given) fused with per-token quantization, one pass
+// over each row. x, residual: [M, K] float32, weight: [K] float32 -> (q [M, K] int8,
+// scale [M, 1] float32, residual + x [M, K] or an undefined tensor). The sum of squares is
+// reduced in another order than torch's, so a value on a rounding boundary may land one int8
+// step away from the reference (tests/kernels/test_w8a8.py states the bound).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> w8a8_rms_norm_quant(
+    const at::Tensor& x, const at::Tensor& weight, double eps,
+    const c10::optional<at::Tensor>& residual) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "w8a8_rms_norm_quant: x must be contiguous [M, K] float32");
+  const int64_t m = x.size(0), k = x.size(1);
+  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.numel() == k && weight.is_contiguous(),
+              "w8a8_rms_norm_quant: weight must be contiguous [K] float32");
+  at::Tensor res, summed;
+  if (residual.has_value() && residual->defined()) {
+    res = *residual;
+    TORCH_CHECK(res.sizes() == x.sizes() && res.scalar_type() == at::kFloat && res.is_contiguous(),
+                "w8a8_rms_norm_quant: residual must be contiguous float32 like x");
+    summed = at::empty_like(x);
+  }
+  auto q = at::empty({m, k}, x.options().dtype(at::kChar));
+  auto scale = at::empty({m, 1}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* rp = res.defined() ? res.data_ptr<float>() : nullptr;
+  float* sp = summed.defined() ? summed.data_ptr<float>() : nullptr;
+  const float* wp = weight.data_ptr<float>();
+  int8_t* qp = q.data_ptr<int8_t>();
+  float* scp = scale.data_ptr<float>();
+  // cheap per row: small batches stay on one thread (no fork / join)
+  at::parallel_for(0, m, std::max<int64_t>(1, 131072 / std::max<int64_t>(1, k)),
+                   [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(k);
+    for (int64_t i = begin; i < end; ++i) {
+      norm_quant_row(xp + i * k, rp ? rp + i * k : nullptr, sp ? sp + i * k : nullptr, wp,
+                     static_cast<float>(eps), k, buf.data(), qp + i * k, scp + i);
+    }
+  });
+  return {q, scale, summed};
+}
+
+// The SwiGLU product of a fused gate/up output, the input of a w8a8 down projection:
+// act = silu(gate) * up with silu(g) = g / (1 + exp(-g)) through exp_approx (2 ulp), so act is
+// within a few ulp of torch's. gate_up: [M, 2 * I] float32, rows contiguous (gate = columns
+// 0..I-1, up = I..2I-1). `quantize`: (q [M, I] int8, scale [M, 1]) as w8a8_quant does, in the
+// same pass; else (act [M, I] float32, undefined): a row-parallel down projection quantizes
+// with the scale agreed over the ranks, from the same act values.
+std::tuple<at::Tensor, at::Tensor> w8a8_silu_mul(const at::Tensor& gate_up, bool quantize) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.scalar_type() == at::kFloat &&
+                  gate_up.stride(1) == 1 && gate_up.size(1) % 2 == 0,
+              "w8a8_silu_mul: gate_up must be [M, 2 * I] float32 with contiguous rows");
+  const int64_t m = gate_up.size(0), inter = gate_up.size(1) / 2, ld = gate_up.stride(0);
+  at::Tensor out = at::empty({m, inter}, gate_up.options().dtype(quantize ? at::kChar : at::kFloat));
+  at::Tensor scale = quantize ? at::empty({m, 1}, gate_up.options()) : at::Tensor();
+  const float* gp = gate_up.data_ptr<float>();
+  at::parallel_for(0, m, std::max<int64_t>(1, 65536 / std::max<int64_t>(1, inter)),
+                   [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(quantize ? inter : 0);
+    for (int64_t r = begin; r < end; ++r) {
+      const float* g = gp + r * ld;
+      const float* u = g + inter;
+      float* a = quantize ? buf.data() : out.data_ptr<float>() + r * inter;
+#pragma omp simd
+      for (int64_t i = 0; i < inter; ++i) a[i] = g[i] / (1.0f + exp_approx(-g[i])) * u[i];
+      if (quantize) {
+        quant_rows(a, out.data_ptr<int8_t>() + r * inter, scale.data_ptr<float>() + r, 0, 1,
+                   inter);
+      }
+    }
+  });
+  return {out, scale};
+}
+
 // x: [M, K] float32 -> w8a8_linear(w8a8_quant(x), ...): a linear on a float input
 at::Tensor w8a8_linear_float(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale,
                              const c10::optional<at::Tensor>& bias) {
@@ -128,4 +230,10 @@ void register_w8a8_ops(py::module& m) {
         py::arg("a_scale"), py::arg("w"), py::arg("w_scale"), py::arg("bias") = py::none());
   m.def("w8a8_linear_float", &w8a8_linear_float, "per-token quantization + w8a8_linear",
         py::arg("x"), py::arg("w"), py::arg("w_scale"), py::arg("bias") = py::none());
+  m.def("w8a8_silu_mul", &w8a8_silu_mul,
+        "silu(gate) * up of a fused gate/up output, optionally quantized per token",
+        py::arg("gate_up"), py::arg("quantize"));
+  m.def("w8a8_rms_norm_quant", &w8a8_rms_norm_quant,
+        "RMSNorm (after the residual add) fused with per-token int8 quantization",
+        py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("residual") = py::none());
 }
