@@ -19,12 +19,22 @@ def ext():
     return module
 
 
+@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
+def threads(request):
+    """The kernel splits its work by KV head when there are few sequences for the threads and
+    by sequence otherwise: run both splits whatever the machine's core count."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("kv_lens", [[1], [5, 17, 32], [16, 1, 47, 64, 3]])
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize(
     "heads,head_dim", [((4, 4), 16), ((9, 3), 64), ((8, 1), 32), ((4, 2), 128)]
 )
-def test_decode_kernel_matches_references(ext, kv_lens, block_size, heads, head_dim):
+def test_decode_kernel_matches_references(ext, kv_lens, block_size, heads, head_dim, threads):
     num_heads, num_kv_heads = heads
     q_lens = [1] * len(kv_lens)
     q, kc, vc, meta, dk, dv = make_paged_batch(

@@ -201,17 +201,23 @@ void decode_loop(const float* q_ptr, const Cache* k_ptr, const Cache* v_ptr, con
   constexpr bool kQuant = std::is_same<Cache, int8_t>::value;
   const int64_t group = num_heads / num_kv_heads;
   const int64_t token_stride = num_kv_heads * head_dim;  // between tokens of one block
-  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+  // A task serves all KV heads of a sequence when there are sequences enough for the threads:
+  // a token's rows of every KV head are adjacent, so a block is then read as one contiguous
+  // run instead of one strided pass per KV head. Few sequences: one KV head per task.
+  const int64_t heads_per_job = num_seqs >= 2 * at::get_num_threads() ? num_kv_heads : 1;
+  const int64_t jobs_per_seq = num_kv_heads / heads_per_job;
+  const int64_t job_heads = heads_per_job * group;  // query heads of one task
+  at::parallel_for(0, num_seqs * jobs_per_seq, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(group * block_size);
-    std::vector<float> acc(group * head_dim);
-    std::vector<float> run_max(group), run_sum(group);
+    std::vector<float> acc(job_heads * head_dim);
+    std::vector<float> run_max(job_heads), run_sum(job_heads);
     std::vector<float> k_buf(kQuant ? block_size * head_dim : 0);
     std::vector<float> v_buf(kQuant ? block_size * head_dim : 0);
+    constexpr int64_t kLine = 64 / sizeof(Cache);  // elements per cache line
     for (int64_t job = begin; job < end; ++job) {
-      const int64_t seq = job / num_kv_heads, kv_head = job % num_kv_heads;
+      const int64_t seq = job / jobs_per_seq, kv_first = (job % jobs_per_seq) * heads_per_job;
       const int64_t kv_len = len_ptr[seq];
       TORCH_CHECK(kv_len > 0 && kv_len <= max_blocks * block_size, "kv_len out of range");
-      const float* q_group = q_ptr + (seq * num_heads + kv_head * group) * head_dim;
       std::fill(acc.begin(), acc.end(), 0.f);
       std::fill(run_max.begin(), run_max.end(), -std::numeric_limits<float>::infinity());
       std::fill(run_sum.begin(), run_sum.end(), 0.f);
@@ -221,55 +227,58 @@ void decode_loop(const float* q_ptr, const Cache* k_ptr, const Cache* v_ptr, con
         const int64_t block_id = table_ptr[seq * max_blocks + blk];
         const int64_t first = std::max<int64_t>(first_key - blk * block_size, 0);
         const int64_t num_keys = std::min(block_size, kv_len - blk * block_size) - first;
-        const int64_t row = (block_id * block_size + first) * num_kv_heads + kv_head;
         if ((blk + 1) * block_size < kv_len) {
           // the next block sits anywhere in the pool: ask for its rows while this one runs
-          const int64_t next = (table_ptr[seq * max_blocks + blk + 1] * block_size) * num_kv_heads + kv_head;
+          const int64_t next = table_ptr[seq * max_blocks + blk + 1] * block_size * num_kv_heads;
           const int64_t n_next = std::min(block_size, kv_len - (blk + 1) * block_size);
-          constexpr int64_t kLine = 64 / sizeof(Cache);  // elements per cache line
           for (int64_t t = 0; t < n_next; ++t) {
-            const Cache* kt = k_ptr + (next + t * num_kv_heads) * head_dim;
-            const Cache* vt = v_ptr + (next + t * num_kv_heads) * head_dim;
-            for (int64_t i = 0; i < head_dim; i += kLine) {
-              __builtin_prefetch(kt + i);
-              __builtin_prefetch(vt + i);
+            const int64_t r = (next + t * num_kv_heads + kv_first) * head_dim;
+            for (int64_t i = 0; i < heads_per_job * head_dim; i += kLine) {
+              __builtin_prefetch(k_ptr + r + i);
+              __builtin_prefetch(v_ptr + r + i);
             }
           }
         }
-        const float* k_block;
-        const float* v_block;
-        int64_t stride;  // between the keys of k_block / v_block
-        if constexpr (kQuant) {
-          for (int64_t t = 0; t < num_keys; ++t) {
-            const int64_t r = row + t * num_kv_heads;  // (slot, KV head) row
-            const int8_t* kt = k_ptr + r * head_dim;
-            const int8_t* vt = v_ptr + r * head_dim;
-            const float ks = ks_ptr[r], vs = vs_ptr[r];
-            float* kd = k_buf.data() + t * head_dim;
-            float* vd = v_buf.data() + t * head_dim;
+        for (int64_t h = 0; h < heads_per_job; ++h) {
+          const int64_t kv_head = kv_first + h;
+          const int64_t row = (block_id * block_size + first) * num_kv_heads + kv_head;
+          const float* k_block;
+          const float* v_block;
+          int64_t stride;  // between the keys of k_block / v_block
+          if constexpr (kQuant) {
+            for (int64_t t = 0; t < num_keys; ++t) {
+              const int64_t r = row + t * num_kv_heads;  // (slot, KV head) row
+              const int8_t* kt = k_ptr + r * head_dim;
+              const int8_t* vt = v_ptr + r * head_dim;
+              const float ks = ks_ptr[r], vs = vs_ptr[r];
+              float* kd = k_buf.data() + t * head_dim;
+              float* vd = v_buf.data() + t * head_dim;
 #pragma omp simd
-            for (int64_t i = 0; i < head_dim; ++i) {
-              kd[i] = static_cast<float>(kt[i]) * ks;
-              vd[i] = static_cast<float>(vt[i]) * vs;
+              for (int64_t i = 0; i < head_dim; ++i) {
+                kd[i] = static_cast<float>(kt[i]) * ks;
+                vd[i] = static_cast<float>(vt[i]) * vs;
+              }
             }
+            k_block = k_buf.data();
+            v_block = v_buf.data();
+            stride = head_dim;
+          } else {
+            k_block = k_ptr + row * head_dim;
+            v_block = v_ptr + row * head_dim;
+            stride = token_stride;
           }
-          k_block = k_buf.data();
-          v_block = v_buf.data();
-          stride = head_dim;
-        } else {
-          k_block = k_ptr + row * head_dim;
-          v_block = v_ptr + row * head_dim;
-          stride = token_stride;
+          const float* q_group = q_ptr + (seq * num_heads + kv_head * group) * head_dim;
+          attend_block<kDim>(q_group, k_block, v_block, stride, num_keys, group, head_dim,
+                             block_size, fscale, fcap, scores.data(),
+                             acc.data() + h * group * head_dim, run_max.data() + h * group,
+                             run_sum.data() + h * group);
         }
-        attend_block<kDim>(q_group, k_block, v_block, stride, num_keys, group, head_dim,
-                           block_size, fscale, fcap, scores.data(), acc.data(), run_max.data(),
-                           run_sum.data());
       }
-      float* o_group = out_ptr + (seq * num_heads + kv_head * group) * head_dim;
-      for (int64_t g = 0; g < group; ++g) {
+      float* o_job = out_ptr + (seq * num_heads + kv_first * group) * head_dim;
+      for (int64_t g = 0; g < job_heads; ++g) {
         const float inv = 1.f / run_sum[g];
 #pragma omp simd
-        for (int64_t i = 0; i < head_dim; ++i) o_group[g * head_dim + i] = acc[g * head_dim + i] * inv;
+        for (int64_t i = 0; i < head_dim; ++i) o_job[g * head_dim + i] = acc[g * head_dim + i] * inv;
       }
     }
   });
