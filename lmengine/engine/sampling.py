@@ -88,14 +88,13 @@ def greedy_one_hot(logits: torch.Tensor) -> torch.Tensor:
 
 def penalised(seqs: Seq) -> bool:
     """Whether `Sampler._apply_penalties` changes any row of these sequences' logits."""
-    return any(
-        c.repetition_penalty != 1.0
-        or c.presence_penalty
-        or c.frequency_penalty
-        or c.no_repeat_ngram_size
-        or s.num_generated_tokens < c.min_new_tokens
-        for s, c in ((s, s.gen_config) for s in seqs)
-    )
+    for seq in seqs:
+        c = seq.gen_config
+        if c.repetition_penalty != 1.0 or c.presence_penalty or c.frequency_penalty:
+            return True
+        if c.no_repeat_ngram_size or seq.num_generated_tokens < c.min_new_tokens:
+            return True
+    return False
 
 
 class Sampler:
