@@ -291,7 +291,7 @@ def test_linear_on_quantized_operands_tracks_float():
     assert rel < 0.02
 
 
-# ---- SwiGLU product + quantization ----------------------------------------------------------------
+# ---- SwiGLU product + quantization -------------------------------------------------------------
 
 
 @pytest.mark.parametrize("rows", [1, 64])
