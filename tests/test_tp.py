@@ -95,6 +95,25 @@ def test_tp2_equals_tp1_with_preemption_and_threads(tiny_llama_path):
     _assert_no_worker_left(procs)
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "mistral", "gemma2"])
+def test_tp2_equals_tp1_on_other_architectures(arch, tmp_path, smollm2_path):
+    """The patches' TP plans beyond Llama: attention biases (Qwen2), per-head q/k norms
+    (Qwen3), a sliding window (Mistral), soft-caps, alternating windows and four norms per
+    layer (Gemma 2). Tiny random models of the parity tests, several requests batched."""
+    from tests.test_models_parity import save_tiny_model
+
+    path = save_tiny_model(tmp_path / arch, smollm2_path, arch)
+    expected, _, ref = _run(path, 1, threads=1, num_gpu_blocks=64)
+    ref.close()
+    got, responses, engine = _run(path, 2, threads=1, num_gpu_blocks=64)
+    try:
+        assert [r.error for r in responses] == [None] * len(LENGTHS)
+        assert got == expected
+        engine.check_integrity()
+    finally:
+        engine.close()
+
+
 def _safetensors(path: str) -> list[str]:
     return [os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors")]
 
