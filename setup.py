@@ -5,7 +5,14 @@ setup(
     version="0.1.0",
     description="A research inference engine for LLMs on PyTorch and transformers",
     packages=find_packages(include=["lmengine", "lmengine.*"]),
-    package_data={"lmengine.quant": ["data/*.txt"]},  # held-out text for the w8a8 check
+    # the held-out text of the w8a8 check, the prompts of `lmengine bench` (examples/prompts.txt
+    # links to them) and the C++ sources of the CPU kernels (compiled on first use), so that a
+    # non-editable install has them too
+    package_data={
+        "lmengine.quant": ["data/*.txt"],
+        "lmengine": ["data/*.txt"],
+        "lmengine.kernels": ["csrc/*.cpp", "csrc/*.h"],
+    },
     python_requires=">=3.10",
     # NOTE: torch is pinned to a range that the CPU wheel installed first satisfies, so pip
     # never pulls a CUDA build on top of it. transformers is pinned because the patches

@@ -36,7 +36,8 @@ from pathlib import Path
 from typing import Any
 
 WORKLOADS = ("w1", "w2", "w3")
-DEFAULT_PROMPT_FILE = Path(__file__).resolve().parent.parent / "examples" / "prompts.txt"
+# examples/prompts.txt of the repository links here: the package carries its own copy
+DEFAULT_PROMPT_FILE = Path(__file__).resolve().parent / "data" / "prompts.txt"
 LM, HF_STATIC, HF_CB = "lmengine", "transformers static", "transformers CB"
 
 # workload sizes: (full default, --quick default)

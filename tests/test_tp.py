@@ -114,6 +114,25 @@ def test_tp2_equals_tp1_on_other_architectures(arch, tmp_path, smollm2_path):
         engine.close()
 
 
+@pytest.mark.parametrize(
+    "arch,message",
+    [
+        ("gpt_neox", "tp > 1 is not supported for this checkpoint.*Use tp=1"),
+        ("phi3", "checkpoint-fused qkv_proj cannot be split by heads yet"),
+        ("opt", "declares no tensor-parallel plan"),
+    ],
+)
+def test_tp2_on_an_architecture_it_cannot_split_is_a_clear_error(
+    arch, message, tmp_path, smollm2_path
+):
+    from tests.test_models_parity import save_tiny_model
+
+    path = save_tiny_model(tmp_path / arch, smollm2_path, arch)
+    with pytest.raises(ValueError, match=message):
+        Engine.from_pretrained(path, EngineConfig(tp=2, device="cpu", num_gpu_blocks=32))
+    assert not dist.is_initialized()
+
+
 def _safetensors(path: str) -> list[str]:
     return [os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors")]
 
