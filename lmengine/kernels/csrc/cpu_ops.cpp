@@ -10,7 +10,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -23,13 +22,6 @@ void check_cpu_f32(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU");
   TORCH_CHECK(t.scalar_type() == at::kFloat, name, " must be float32, got ", t.scalar_type());
   TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
-}
-
-inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
-  float s = 0.f;
-#pragma omp simd reduction(+ : s)
-  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
-  return s;
 }
 
 void check_int8_cache(const at::Tensor& cache, const at::Tensor& scale, const char* name) {
@@ -118,41 +110,41 @@ inline void attend_block(const float* q_group, const float* k_block, const float
     block_scores<kDim>(q_group, k_block, stride, num_keys, group, block_size, fscale, fcap,
                        scores);
   } else {
-  for (int64_t g = 0; g < group; ++g) {
-    const float* qg = q_group + g * dim;
-    float* sg = scores + g * block_size;
-    int64_t t = 0;
-    for (; t + 4 <= num_keys; t += 4) {  // four keys at once: independent sums, more ILP
-      const float* k0 = k_block + t * stride;
-      const float* k1 = k0 + stride;
-      const float* k2 = k1 + stride;
-      const float* k3 = k2 + stride;
-      float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+    for (int64_t g = 0; g < group; ++g) {
+      const float* qg = q_group + g * dim;
+      float* sg = scores + g * block_size;
+      int64_t t = 0;
+      for (; t + 4 <= num_keys; t += 4) {  // four keys at once: independent sums, more ILP
+        const float* k0 = k_block + t * stride;
+        const float* k1 = k0 + stride;
+        const float* k2 = k1 + stride;
+        const float* k3 = k2 + stride;
+        float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
 #pragma omp simd reduction(+ : s0, s1, s2, s3)
-      for (int64_t i = 0; i < dim; ++i) {
-        s0 += qg[i] * k0[i];
-        s1 += qg[i] * k1[i];
-        s2 += qg[i] * k2[i];
-        s3 += qg[i] * k3[i];
+        for (int64_t i = 0; i < dim; ++i) {
+          s0 += qg[i] * k0[i];
+          s1 += qg[i] * k1[i];
+          s2 += qg[i] * k2[i];
+          s3 += qg[i] * k3[i];
+        }
+        sg[t] = s0;
+        sg[t + 1] = s1;
+        sg[t + 2] = s2;
+        sg[t + 3] = s3;
       }
-      sg[t] = s0;
-      sg[t + 1] = s1;
-      sg[t + 2] = s2;
-      sg[t + 3] = s3;
-    }
-    for (; t < num_keys; ++t) {
-      const float* kt = k_block + t * stride;
-      float s = 0.f;
+      for (; t < num_keys; ++t) {
+        const float* kt = k_block + t * stride;
+        float s = 0.f;
 #pragma omp simd reduction(+ : s)
-      for (int64_t i = 0; i < dim; ++i) s += qg[i] * kt[i];
-      sg[t] = s;
+        for (int64_t i = 0; i < dim; ++i) s += qg[i] * kt[i];
+        sg[t] = s;
+      }
+      for (t = 0; t < num_keys; ++t) {
+        float s = sg[t] * fscale;
+        if (fcap > 0.f) s = fcap * std::tanh(s / fcap);
+        sg[t] = s;
+      }
     }
-    for (t = 0; t < num_keys; ++t) {
-      float s = sg[t] * fscale;
-      if (fcap > 0.f) s = fcap * std::tanh(s / fcap);
-      sg[t] = s;
-    }
-  }
   }
   for (int64_t g = 0; g < group; ++g) {
     float* sg = scores + g * block_size;

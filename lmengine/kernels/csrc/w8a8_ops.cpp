@@ -60,7 +60,7 @@ __attribute__((optimize("fp-contract=off"))) void dequant_rows(
 }
 
 // One row of w8a8_rms_norm_quant: normalised = weight * (src * (1 / sqrt(mean(src^2) + eps)))
-// into `buf`, then quantized as quant_rows does. src = residual + x (written to `summed`) or x.
+// into `buf`, then quantized by quant_rows. src = residual + x (written to `summed`) or x.
 void norm_quant_row(const float* x, const float* residual, float* summed, const float* weight,
                     float eps, int64_t k, float* buf, int8_t* q, float* scale) {
   const float* src = x;
@@ -73,17 +73,9 @@ void norm_quant_row(const float* x, const float* residual, float* summed, const 
 #pragma omp simd reduction(+ : ss)
   for (int64_t i = 0; i < k; ++i) ss += src[i] * src[i];
   const float r = 1.0f / std::sqrt(ss / static_cast<float>(k) + eps);
-  float amax = 0.0f;
-#pragma omp simd reduction(max : amax)
-  for (int64_t i = 0; i < k; ++i) {
-    buf[i] = weight[i] * (src[i] * r);
-    amax = std::max(amax, std::fabs(buf[i]));
-  }
-  amax = std::max(amax, kMinAmax);
-  const float inv = kQmax / amax;
 #pragma omp simd
-  for (int64_t i = 0; i < k; ++i) q[i] = static_cast<int8_t>(std::nearbyint(buf[i] * inv));
-  *scale = amax / kQmax;
+  for (int64_t i = 0; i < k; ++i) buf[i] = weight[i] * (src[i] * r);
+  quant_rows(buf, q, scale, 0, 1, k);
 }
 
 int64_t grain(int64_t row_elems) {
