@@ -1,11 +1,17 @@
-"""Linear layers on CPU through oneDNN with weights pre-packed once.
+"""Linear layers on CPU: a weight-streaming GEMV for a few rows, oneDNN on weights pre-packed
+once for mid-sized batches, MKL (`F.linear`) for large prefills.
 
 Measured on this project's 2-core CPU, float32, weights streamed from memory as in a real
-forward: oneDNN on pre-packed weights runs the GEMMs of a 64-token decode step 1.5x faster than
-the default (MKL) path and those of a 16-token step 3x faster; for one token (a GEMV) MKL is
-~20 % faster, and from ~1k rows (large prefills) MKL wins again, so those keep using it.
-Elsewhere (CUDA, other dtypes, a torch without oneDNN) `linear` is `F.linear`, which is also
-the reference.
+forward (all of SmolLM2-135M's linears, best of interleaved runs):
+- 1 to 8 rows (single-stream decode, small batches, speculative verification): the compiled
+  `gemv` (kernels/csrc/gemv_ops.cpp) streams the weights at ~16-17 GB/s, against ~13-15 GB/s
+  for MKL's GEMV at one row and ~9-12 GB/s for oneDNN at 2-8 rows: 13 % faster than MKL at one
+  row, 25-45 % faster than oneDNN at 2-8.
+- 9 to ~1k rows: oneDNN on pre-packed weights runs the GEMMs of a 64-token decode step 1.5x
+  faster than MKL and those of a 16-token step 3x faster.
+- from ~1k rows (large prefills) MKL wins again, so those keep using it.
+Elsewhere (CUDA, other dtypes, a torch without oneDNN or without the compiled kernels)
+`linear` is `F.linear`, which is also the reference.
 """
 
 from __future__ import annotations
@@ -13,8 +19,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from lmengine.kernels import cpu_ext
+
 _PACK_BATCH_HINT = 64  # oneDNN picks the packed layout for this many rows
-_MIN_ROWS_FOR_PACKED = 2  # a single row is a GEMV: MKL is faster
+_MAX_GEMV_ROWS = 8  # up to this many rows the compiled weight-streaming GEMV is fastest
 _MAX_ROWS_FOR_PACKED = 1023  # from ~1k rows (large prefills) MKL is faster again
 
 
@@ -41,7 +49,22 @@ def linear(
     bias: torch.Tensor | None = None,
     packed: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x: [num_tokens, in] -> [num_tokens, out]; `packed` from `pack_weight(weight)`."""
-    if packed is None or not _MIN_ROWS_FOR_PACKED <= x.shape[0] <= _MAX_ROWS_FOR_PACKED:
+    """x: [num_tokens, in] -> [num_tokens, out]; `packed` from `pack_weight(weight)`.
+
+    `packed` also marks a weight as a CPU float32 matrix the fast paths may take."""
+    rows = x.shape[0]
+    if packed is None or not 1 <= rows <= _MAX_ROWS_FOR_PACKED:  # 0 rows: a chunk's lm_head
         return F.linear(x, weight, bias)
+    if rows <= _MAX_GEMV_ROWS:
+        gemv = _gemv_kernel()
+        if gemv is not None and x.shape[1] % 16 == 0 and weight.is_contiguous():
+            return gemv(x.contiguous(), weight, bias)
+        if rows == 1:  # MKL's GEMV beats oneDNN at one row
+            return F.linear(x, weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+
+
+def _gemv_kernel():
+    """The compiled weight-streaming GEMV, or None (then MKL / oneDNN)."""
+    module = cpu_ext.load()
+    return None if module is None else module.gemv

@@ -1,4 +1,4 @@
-"""The CPU linear paths (oneDNN packed, MKL) against F.linear."""
+"""The CPU linear paths (compiled GEMV, oneDNN packed, MKL) against F.linear."""
 
 from __future__ import annotations
 
@@ -6,15 +6,75 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from lmengine.kernels import cpu_ext
+from lmengine.kernels import linear as linear_module
 from lmengine.kernels.linear import linear, pack_weight
 
 
-@pytest.mark.parametrize("rows", [1, 2, 5, 64, 1100])
+@pytest.fixture(scope="module")
+def ext():
+    module = cpu_ext.load()
+    assert module is not None, "the CPU kernels failed to build (see the warning above)"
+    return module
+
+
+@pytest.mark.parametrize("rows", [0, 1, 2, 5, 8, 9, 64, 1100])
+@pytest.mark.parametrize("in_features", [48, 40])  # 40: not a multiple of 16, no GEMV
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_linear_matches_f_linear(rows, with_bias):
+def test_linear_matches_f_linear(rows, in_features, with_bias):
     gen = torch.Generator().manual_seed(rows)
-    weight = torch.randn(70, 48, generator=gen)
+    weight = torch.randn(70, in_features, generator=gen)
     bias = torch.randn(70, generator=gen) if with_bias else None
-    x = torch.randn(rows, 48, generator=gen)
+    x = torch.randn(rows, in_features, generator=gen)
     out = linear(x, weight, bias, pack_weight(weight))
     torch.testing.assert_close(out, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", range(1, 9))
+@pytest.mark.parametrize("in_features", [16, 48, 576])  # K % 32: 16, 16, 0
+@pytest.mark.parametrize("threads", [1, 2])
+def test_gemv_matches_f_linear(ext, rows, in_features, threads):
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        gen = torch.Generator().manual_seed(rows * 1000 + in_features)
+        weight = torch.randn(1001, in_features, generator=gen)  # rows split unevenly
+        bias = torch.randn(1001, generator=gen)
+        x = torch.randn(rows, in_features, generator=gen)
+        for b in (None, bias):
+            expected = F.linear(x.double(), weight.double(), None if b is None else b.double())
+            torch.testing.assert_close(
+                ext.gemv(x, weight, b).double(), expected, rtol=1e-5, atol=1e-4
+            )
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_gemv_rejects_what_it_cannot_run(ext):
+    w = torch.randn(8, 32)
+    with pytest.raises(RuntimeError, match="1 to 8 rows"):
+        ext.gemv(torch.randn(9, 32), w)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        ext.gemv(torch.randn(1, 24), torch.randn(8, 24))
+    with pytest.raises(RuntimeError, match=r"\[M, K\]"):
+        ext.gemv(torch.randn(1, 16), w)
+    with pytest.raises(RuntimeError, match="bias must be"):
+        ext.gemv(torch.randn(1, 32), w, torch.randn(7))
+    with pytest.raises(RuntimeError, match="float32"):
+        ext.gemv(torch.randn(1, 32).double(), w.double())
+
+
+def test_linear_takes_the_gemv_for_few_rows_only(ext, monkeypatch):
+    calls = []
+
+    def counting_gemv(x, weight, bias):
+        calls.append(x.shape[0])
+        return ext.gemv(x, weight, bias)
+
+    monkeypatch.setattr(linear_module, "_gemv_kernel", lambda: counting_gemv)
+    weight = torch.randn(40, 32)
+    packed = pack_weight(weight)
+    for rows in (1, 8, 9, 64):
+        linear(torch.randn(rows, 32), weight, None, packed)
+    linear(torch.randn(1, 32), weight, None, None)  # not packed: not a CPU float32 weight
+    assert calls == [1, 8]
