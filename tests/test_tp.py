@@ -194,15 +194,20 @@ def test_tp2_fewer_kv_heads_than_ranks_then_a_worker_dies(kv1_path):
     try:
         assert [r.error for r in responses] == [None] * len(LENGTHS)
         assert got == expected
-        # kill the worker in the middle of a long generation
+        # kill the worker in the middle of a long generation: right after its first token,
+        # since session_len is 96 here and a fixed sleep let the whole request finish first
         inst = engine.create_instance()
         result = {}
+        started = threading.Event()
         gen = GenerationConfig(max_new_tokens=400, ignore_eos=True)
-        runner = threading.Thread(
-            target=lambda: result.update(r=inst.infer(1, [5, 6], gen_config=gen))
-        )
+
+        def stream() -> None:
+            for result["r"] in inst.stream_infer(1, [5, 6], gen_config=gen):
+                started.set()
+
+        runner = threading.Thread(target=stream)
         runner.start()
-        time.sleep(1.0)
+        assert started.wait(timeout=30), "the request never produced a token"
         os.kill(procs[0].pid, signal.SIGKILL)
         runner.join(timeout=30)
         assert not runner.is_alive(), "the request hung after its worker died"
