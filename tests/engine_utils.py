@@ -28,8 +28,11 @@ def run_threads(
     results: list[Response | None] = [None] * len(prompts)
     errors: list[BaseException] = []
 
+    start = threading.Barrier(num_threads)
+
     def work(t: int) -> None:
         try:
+            start.wait(timeout=60)  # all threads ready: then stagger_s=0 means "at once"
             time.sleep(t * stagger_s)
             inst = engine.create_instance()
             for i in range(t, len(prompts), num_threads):
