@@ -52,3 +52,21 @@ def test_smollm2_matches_transformers(smol_case, name):
         assert engine.stats()["num_free_blocks"] == engine.stats()["num_total_blocks"]
     finally:
         engine.close()
+
+
+@pytest.mark.slow
+def test_smollm2_long_prompts_in_one_prefill_step(smollm2_path):
+    """Three ~600-token prompts prefilled in one 1,800-row step: the GEMMs take the
+    large-batch path of `kernels.linear` (MKL on Intel, oneDNN elsewhere), decode the small."""
+    tok = AutoTokenizer.from_pretrained(smollm2_path)
+    lines = PROMPTS_FILE.read_text().splitlines()
+    prompts = []
+    for start in (0, 21, 42):
+        text = " ".join(lines[(start + i) % len(lines)] for i in range(60))
+        prompts.append(chat_token_ids(tok, [{"role": "user", "content": text}]))
+    assert sum(map(len, prompts)) > 1100, [len(p) for p in prompts]
+    expected = hf_greedy(smollm2_path, prompts, 16)
+    with Engine.from_pretrained(smollm2_path, EngineConfig(num_gpu_blocks=256)) as engine:
+        got = run_threads(engine, prompts, GenerationConfig(max_new_tokens=16))
+        assert [r.token_ids for r in got] == expected
+        assert engine.stats()["num_free_blocks"] == engine.stats()["num_total_blocks"]

@@ -78,3 +78,35 @@ def test_linear_takes_the_gemv_for_few_rows_only(ext, monkeypatch):
         linear(torch.randn(rows, 32), weight, None, packed)
     linear(torch.randn(1, 32), weight, None, None)  # not packed: not a CPU float32 weight
     assert calls == [1, 8]
+
+
+@pytest.mark.parametrize("intel", [True, False])
+def test_large_gemms_go_to_mkl_on_intel_only(intel, monkeypatch):
+    onednn_rows = []
+
+    def counting_onednn(x, packed, bias):
+        onednn_rows.append(x.shape[0])
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+    monkeypatch.setattr(linear_module, "_onednn", counting_onednn)
+    monkeypatch.setattr(linear_module, "mkl_wins_large_gemms", lambda: intel)
+    monkeypatch.setattr(linear_module, "_gemv_kernel", lambda: None)
+    weight = torch.randn(40, 32)
+    for rows in (1, 9, 1023, 1024, 3000):
+        x = torch.randn(rows, 32)
+        out = linear(x, weight, None, pack_weight(weight))
+        torch.testing.assert_close(out, F.linear(x, weight), rtol=1e-5, atol=1e-5)
+    assert onednn_rows == ([9, 1023] if intel else [1, 9, 1023, 1024, 3000])
+
+
+def test_cpu_vendor_and_override(monkeypatch):
+    intel = "processor\t: 0\nvendor_id\t: GenuineIntel\nprocessor\t: 1\nvendor_id\t: GenuineIntel\n"
+    assert linear_module.is_intel_cpu(intel)
+    assert not linear_module.is_intel_cpu(intel.replace("GenuineIntel", "AuthenticAMD", 1))
+    assert linear_module.is_intel_cpu("processor\t: 0\n")  # no vendor listed (not x86)
+    for value, expected in (("mkl", True), ("onednn", False)):
+        monkeypatch.setenv("LMENGINE_LARGE_GEMM", value)
+        linear_module.mkl_wins_large_gemms.cache_clear()
+        assert linear_module.mkl_wins_large_gemms() is expected
+    monkeypatch.delenv("LMENGINE_LARGE_GEMM")
+    linear_module.mkl_wins_large_gemms.cache_clear()
