@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -108,42 +109,58 @@ def gemm_table(hidden: int, inter: int, qkv_out: int, rows: list[int], repeat: i
     return out
 
 
-def w1_throughput(
-    engines: dict[str, Engine], ids: list[list[int]], new: int, repeat: int
-) -> tuple[dict[str, list[float]], dict[str, float]]:
-    """Output tokens/s per engine, runs interleaved so all see the same machine load; and the
-    noise-filtered rate: the k-th step's shortest time over the runs, summed over k (this
-    shared machine slows whole runs by up to 2x at random; a step's minimum is what the code
-    costs when it is left alone)."""
+def _w1_run_here(path: str, ids: list[list[int]], new: int, num_gpu_blocks: int) -> dict:
+    """One timed W1 run of the checkpoint at `path` in this process (after a warm-up): output
+    tokens/s and the seconds of every engine step."""
     gen = GenerationConfig(max_new_tokens=new, ignore_eos=True)
     warm = GenerationConfig(max_new_tokens=min(8, new), ignore_eos=True)
-    for engine in engines.values():
+    with Engine.from_pretrained(path, EngineConfig(num_gpu_blocks=num_gpu_blocks)) as engine:
         Pipeline(engine)(ids[:4], gen_config=warm)
-    rates: dict[str, list[float]] = {name: [] for name in engines}
-    steps: dict[str, list[list[float]]] = {name: [] for name in engines}
+        log: list[float] = []
+        step = engine.step
+
+        def timed_step():
+            t = time.perf_counter()
+            out = step()
+            log.append(time.perf_counter() - t)
+            return out
+
+        engine.step = timed_step  # the loop thread looks it up every step
+        t0 = time.perf_counter()
+        outs = Pipeline(engine)(ids, gen_config=gen)
+        dt = time.perf_counter() - t0
+        del engine.step
+    bad = [o for o in outs if o.finish_reason == "error" or o.generate_token_len != new]
+    if bad:
+        raise RuntimeError(f"{path}: {bad[0].finish_reason} {bad[0].error}")
+    return {"rate": len(ids) * new / dt, "steps": log}
+
+
+def w1_throughput(
+    paths: dict[str, str], ids: list[list[int]], new: int, repeat: int, num_gpu_blocks: int
+) -> tuple[dict[str, list[float]], dict[str, float]]:
+    """Output tokens/s per checkpoint, and the noise-filtered rate: the k-th step's shortest
+    time over the runs, summed over k (a shared machine slows whole runs at random; a step's
+    minimum is what the code costs when it is left alone).
+
+    Every run is a fresh process, the checkpoints taking turns so that all see the same
+    machine load. NOTE: not engines side by side in this process: every thread that has run
+    parallel torch ops keeps an OpenMP pool, and once the pools hold more threads than there
+    are cores libgomp stops spin-waiting, which slowed a running engine by 15-25 % here
+    (another idle engine, or this process's calibration on the main thread, was enough)."""
+    spec = Path(tempfile.mkdtemp(prefix="lmengine-w1-")) / "w1.json"
+    spec.write_text(json.dumps({"ids": ids, "new": new, "num_gpu_blocks": num_gpu_blocks}))
+    rates: dict[str, list[float]] = {name: [] for name in paths}
+    steps: dict[str, list[list[float]]] = {name: [] for name in paths}
     for _ in range(repeat):
-        for name, engine in engines.items():
-            log: list[float] = []
-            step = engine.step
-
-            def timed_step(step=step, log=log):
-                t = time.perf_counter()
-                out = step()
-                log.append(time.perf_counter() - t)
-                return out
-
-            engine.step = timed_step  # the loop thread looks it up every step
-            t0 = time.perf_counter()
-            try:
-                outs = Pipeline(engine)(ids, gen_config=gen)
-            finally:
-                del engine.step
-            dt = time.perf_counter() - t0
-            bad = [o for o in outs if o.finish_reason == "error" or o.generate_token_len != new]
-            if bad:
-                raise RuntimeError(f"{name}: {bad[0].finish_reason} {bad[0].error}")
-            rates[name].append(len(ids) * new / dt)
-            steps[name].append(log)
+        for name, path in paths.items():
+            cmd = [sys.executable, __file__, "--w1-worker", path, str(spec)]
+            proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+            if proc.returncode != 0:
+                raise RuntimeError(f"W1 {name} failed:\n{proc.stderr[-3000:]}")
+            result = json.loads(proc.stdout.strip().splitlines()[-1])
+            rates[name].append(result["rate"])
+            steps[name].append(result["steps"])
             _log(f"W1 {name}: {rates[name][-1]:.1f} output tok/s")
     filtered = {}
     for name, logs in steps.items():
@@ -163,7 +180,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=None, help="timed W1 runs; 3 (quick: 2)")
     p.add_argument("--out-dir", default=None, help="where the checkpoints go (default: temp)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    p.add_argument("--w1-worker", nargs=2, metavar=("CHECKPOINT", "SPEC"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.w1_worker:  # one W1 run in this fresh process (see w1_throughput)
+        path, spec = args.w1_worker
+        w1 = json.loads(Path(spec).read_text())
+        print(json.dumps(_w1_run_here(path, w1["ids"], w1["new"], w1["num_gpu_blocks"])))
+        return 0
     q = args.quick
     calib_samples = args.calib_samples or (8 if q else 64)
     calib_seqlen = args.calib_seqlen or (128 if q else 256)
@@ -214,37 +237,31 @@ def main(argv: list[str] | None = None) -> int:
     ids = [list(x["input_ids"]) if isinstance(x, dict) else list(x) for x in ids]
     need_blocks = sum((len(x) + new) // 16 + 1 for x in ids) + 16
     window, num_windows = 128, 8
-    engine_cfg = EngineConfig(num_gpu_blocks=max(need_blocks, window * num_windows // 16 + 8))
-    engines = {name: Engine.from_pretrained(paths[name], engine_cfg) for name in paths}
-    try:
-        _log(f"W1: {num_prompts} prompts x {new} new tokens, {repeat} interleaved runs")
-        w1_names = ("float32", "smoothquant", "smoothquant, float lm_head")
-        rates, filtered = w1_throughput({k: engines[k] for k in w1_names}, ids, new, repeat)
-        results["w1"] = {
-            name: {
-                "best": max(r),
-                "median": statistics.median(r),
-                "step_min": filtered[name],
-                "runs": r,
-            }
-            for name, r in rates.items()
+    num_gpu_blocks = max(need_blocks, window * num_windows // 16 + 8)
+    _log(f"W1: {num_prompts} prompts x {new} new tokens, {repeat} interleaved runs")
+    w1_names = ("float32", "smoothquant", "smoothquant, float lm_head")
+    rates, filtered = w1_throughput(
+        {k: paths[k] for k in w1_names}, ids, new, repeat, num_gpu_blocks
+    )
+    results["w1"] = {
+        name: {
+            "best": max(r),
+            "median": statistics.median(r),
+            "step_min": filtered[name],
+            "runs": r,
         }
-        results["w1_ratio_best"] = max(rates["smoothquant"]) / max(rates["float32"])
-        results["w1_ratio_step_min"] = filtered["smoothquant"] / filtered["float32"]
-        results["linear_bytes"] = {
-            name: engines[name].call(
-                lambda e=engines[name]: linear_weight_bytes(e.model_agent.model)
-            )
-            for name in ("float32", "smoothquant")
-        }
-        tokens = heldout_token_ids(tokenizer)
-        results["perplexity"] = {
-            name: perplexity(engine, tokens, window, num_windows)
-            for name, engine in engines.items()
-        }
-    finally:
-        for engine in engines.values():
-            engine.close()
+        for name, r in rates.items()
+    }
+    results["w1_ratio_best"] = max(rates["smoothquant"]) / max(rates["float32"])
+    results["w1_ratio_step_min"] = filtered["smoothquant"] / filtered["float32"]
+    tokens = heldout_token_ids(tokenizer)
+    results["linear_bytes"], results["perplexity"] = {}, {}
+    for name, path in paths.items():  # one engine at a time (see w1_throughput)
+        with Engine.from_pretrained(path, EngineConfig(num_gpu_blocks=num_gpu_blocks)) as e:
+            if name in ("float32", "smoothquant"):
+                model = e.model_agent.model
+                results["linear_bytes"][name] = e.call(lambda m=model: linear_weight_bytes(m))
+            results["perplexity"][name] = perplexity(e, tokens, window, num_windows)
     report(results, calib_samples, calib_seqlen, num_prompts, new, window, num_windows)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))

@@ -46,15 +46,40 @@ inline float hsum8(v8f a) {
   return h[0] + h[1];
 }
 
+// Where the rows of the block a task reads next are (the next block of the sequence, or the
+// first block of the thread's next task): while a block is scored, key t's turn prefetches
+// row t of the next one, K and V, for the same KV head. Blocks sit anywhere in the pool, so
+// the hardware prefetchers cannot guess them, and spreading the requests over the block's
+// work kept them from queueing up: 64 sequences x 105-170 keys read from memory ran 1.35-1.6x
+// faster than with no prefetch, or with the whole next block requested at once.
+template <typename Cache>
+struct NextRows {
+  const Cache* k = nullptr;
+  const Cache* v = nullptr;
+  int64_t num_keys = 0;  // rows to prefetch, `stride` elements apart
+  int64_t stride = 0;
+  int64_t row_elems = 0;  // elements of one row (one KV head)
+
+  inline void prefetch(int64_t t) const {
+    if (t >= num_keys) return;
+    constexpr int64_t kLine = 64 / sizeof(Cache);
+    for (int64_t i = 0; i < row_elems; i += kLine) {
+      prefetch_line(k + t * stride + i);
+      prefetch_line(v + t * stride + i);
+    }
+  }
+};
+
 // Scaled (and capped) scores of one block: s[g * block_size + t] = q_g . k_t for every query
 // head g of the group and key t. head_dim fixed at kDim (a multiple of 8): each key row is
 // loaded once into registers and serves the whole group; two partial sums per dot product.
-template <int64_t kDim>
+template <int64_t kDim, typename Cache>
 inline void block_scores(const float* q_group, const float* k_block, int64_t stride,
                          int64_t num_keys, int64_t group, int64_t block_size, float fscale,
-                         float fcap, float* scores) {
+                         float fcap, float* scores, const NextRows<Cache>& next) {
   constexpr int64_t kVec = kDim / 8;
   for (int64_t t = 0; t < num_keys; ++t) {
+    next.prefetch(t);
     const float* kt = k_block + t * stride;
     v8f k[kVec];
     for (int64_t j = 0; j < kVec; ++j) k[j] = load8(kt + 8 * j);
@@ -100,16 +125,19 @@ inline void block_values(const float* v_block, int64_t stride, int64_t num_keys,
 // head_dim at compile time (64, 128: the loops over it unroll into registers); 0 reads `dim`.
 // Each key row and value row is loaded once for the whole group: scores for every (head,
 // key) first, then the block's exponentials, then one pass over the values.
-template <int64_t kDim>
+template <int64_t kDim, typename Cache>
 inline void attend_block(const float* q_group, const float* k_block, const float* v_block,
                          int64_t stride, int64_t num_keys, int64_t group, int64_t dim_rt,
                          int64_t block_size, float fscale, float fcap, float* scores,
-                         float* acc, float* run_max, float* run_sum) {
+                         float* acc, float* run_max, float* run_sum,
+                         const NextRows<Cache>& next) {
   const int64_t dim = kDim > 0 ? kDim : dim_rt;
   if constexpr (kDim > 0) {
     block_scores<kDim>(q_group, k_block, stride, num_keys, group, block_size, fscale, fcap,
-                       scores);
+                       scores, next);
+    for (int64_t t = num_keys; t < next.num_keys; ++t) next.prefetch(t);  // a longer next block
   } else {
+    for (int64_t t = 0; t < next.num_keys; ++t) next.prefetch(t);
     for (int64_t g = 0; g < group; ++g) {
       const float* qg = q_group + g * dim;
       float* sg = scores + g * block_size;
@@ -205,7 +233,10 @@ void decode_loop(const float* q_ptr, const Cache* k_ptr, const Cache* v_ptr, con
     std::vector<float> run_max(job_heads), run_sum(job_heads);
     std::vector<float> k_buf(kQuant ? block_size * head_dim : 0);
     std::vector<float> v_buf(kQuant ? block_size * head_dim : 0);
-    constexpr int64_t kLine = 64 / sizeof(Cache);  // elements per cache line
+    // keys first_key(seq) .. kv_len - 1 are visible
+    auto first_key_of = [&](int64_t seq) {
+      return sliding_window > 0 ? std::max<int64_t>(0, len_ptr[seq] - sliding_window) : int64_t{0};
+    };
     for (int64_t job = begin; job < end; ++job) {
       const int64_t seq = job / jobs_per_seq, kv_first = (job % jobs_per_seq) * heads_per_job;
       const int64_t kv_len = len_ptr[seq];
@@ -213,32 +244,39 @@ void decode_loop(const float* q_ptr, const Cache* k_ptr, const Cache* v_ptr, con
       std::fill(acc.begin(), acc.end(), 0.f);
       std::fill(run_max.begin(), run_max.end(), -std::numeric_limits<float>::infinity());
       std::fill(run_sum.begin(), run_sum.end(), 0.f);
-      // keys first_key .. kv_len - 1 are visible
-      const int64_t first_key = sliding_window > 0 ? std::max<int64_t>(0, kv_len - sliding_window) : 0;
+      const int64_t first_key = first_key_of(seq);
       for (int64_t blk = first_key / block_size; blk * block_size < kv_len; ++blk) {
         const int64_t block_id = table_ptr[seq * max_blocks + blk];
         const int64_t first = std::max<int64_t>(first_key - blk * block_size, 0);
         const int64_t num_keys = std::min(block_size, kv_len - blk * block_size) - first;
-        if ((blk + 1) * block_size < kv_len) {
-          // the next block sits anywhere in the pool: ask for its rows while this one runs
-          const int64_t next = table_ptr[seq * max_blocks + blk + 1] * block_size * num_kv_heads;
-          const int64_t n_next = std::min(block_size, kv_len - (blk + 1) * block_size);
-          for (int64_t t = 0; t < n_next; ++t) {
-            const int64_t r = (next + t * num_kv_heads + kv_first) * head_dim;
-            for (int64_t i = 0; i < heads_per_job * head_dim; i += kLine) {
-              __builtin_prefetch(k_ptr + r + i);
-              __builtin_prefetch(v_ptr + r + i);
-            }
-          }
+        // the block read next: this sequence's next one, else the next task's first one
+        int64_t next_seq = seq, next_blk = blk + 1, next_kv_first = kv_first;
+        if (next_blk * block_size >= kv_len) {
+          next_seq = job + 1 < end ? (job + 1) / jobs_per_seq : -1;
+          next_kv_first = ((job + 1) % jobs_per_seq) * heads_per_job;
+          next_blk = next_seq >= 0 ? first_key_of(next_seq) / block_size : 0;
+        }
+        int64_t next_row = 0, next_keys = 0;  // (slot, KV head) row of next_kv_first
+        if (next_seq >= 0 && len_ptr[next_seq] > 0) {
+          const int64_t n_first = std::max<int64_t>(first_key_of(next_seq) - next_blk * block_size, 0);
+          const int64_t n_id = table_ptr[next_seq * max_blocks + next_blk];
+          next_row = (n_id * block_size + n_first) * num_kv_heads + next_kv_first;
+          next_keys = std::min(block_size, len_ptr[next_seq] - next_blk * block_size) - n_first;
         }
         for (int64_t h = 0; h < heads_per_job; ++h) {
           const int64_t kv_head = kv_first + h;
           const int64_t row = (block_id * block_size + first) * num_kv_heads + kv_head;
+          NextRows<Cache> next;
+          if (next_keys > 0) {
+            next = {k_ptr + (next_row + h) * head_dim, v_ptr + (next_row + h) * head_dim,
+                    next_keys, token_stride, head_dim};
+          }
           const float* k_block;
           const float* v_block;
           int64_t stride;  // between the keys of k_block / v_block
           if constexpr (kQuant) {
             for (int64_t t = 0; t < num_keys; ++t) {
+              next.prefetch(t);
               const int64_t r = row + t * num_kv_heads;  // (slot, KV head) row
               const int8_t* kt = k_ptr + r * head_dim;
               const int8_t* vt = v_ptr + r * head_dim;
@@ -251,6 +289,8 @@ void decode_loop(const float* q_ptr, const Cache* k_ptr, const Cache* v_ptr, con
                 vd[i] = static_cast<float>(vt[i]) * vs;
               }
             }
+            for (int64_t t = num_keys; t < next.num_keys; ++t) next.prefetch(t);
+            next = {};  // requested: attend_block reads the float buffers
             k_block = k_buf.data();
             v_block = v_buf.data();
             stride = head_dim;
@@ -263,7 +303,7 @@ void decode_loop(const float* q_ptr, const Cache* k_ptr, const Cache* v_ptr, con
           attend_block<kDim>(q_group, k_block, v_block, stride, num_keys, group, head_dim,
                              block_size, fscale, fcap, scores.data(),
                              acc.data() + h * group * head_dim, run_max.data() + h * group,
-                             run_sum.data() + h * group);
+                             run_sum.data() + h * group, next);
         }
       }
       float* o_job = out_ptr + (seq * num_heads + kv_first * group) * head_dim;

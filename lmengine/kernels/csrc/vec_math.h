@@ -27,3 +27,17 @@ inline float exp_approx(float x) {
   std::memcpy(&scale, &bits, sizeof(scale));
   return x <= -87.3f ? 0.f : p * scale;
 }
+
+// Ask for the cache line holding p (read, all cache levels). NOTE: not __builtin_prefetch in
+// a loop of its own: GCC treats the builtin as free of side effects and deleted whole loops
+// made only of prefetches (the decode kernel's lookahead compiled to nothing); an asm
+// statement is kept.
+inline void prefetch_line(const void* p) {
+#if defined(__x86_64__) || defined(__i386__)
+  asm volatile("prefetcht0 %0" : : "m"(*static_cast<const char*>(p)));
+#elif defined(__aarch64__)
+  asm volatile("prfm pldl1keep, %0" : : "Q"(*static_cast<const char*>(p)));
+#else
+  __builtin_prefetch(p);
+#endif
+}
