@@ -210,6 +210,15 @@ def int8_mm_cpu(a_q: torch.Tensor, w_q: torch.Tensor) -> torch.Tensor:
     return torch._int_mm(a_q.contiguous(), w_q.t())
 
 
+def pack_int8_weight(w_q: torch.Tensor) -> torch.Tensor | None:
+    """w_q [N, K] int8 in oneDNN's int8 matmul layout, for `int8_gemm(packed=...)` on the CPU
+    from 2 rows on; None where the compiled kernels or oneDNN's int8 ops are missing."""
+    if w_q.is_cuda or w_q.dtype != torch.int8:
+        return None
+    ops = cpu_ext.load()
+    return None if ops is None else ops.w8a8_pack(w_q)
+
+
 def int8_gemm(
     a_q: torch.Tensor,
     a_scale: torch.Tensor,
@@ -217,8 +226,10 @@ def int8_gemm(
     w_scale: torch.Tensor,
     bias: torch.Tensor | None = None,
     out_dtype: torch.dtype = torch.float32,
+    packed: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """int8 GEMM with int32 accumulation and a dequantizing epilogue; see `int8_gemm_ref`."""
+    """int8 GEMM with int32 accumulation and a dequantizing epilogue; see `int8_gemm_ref`.
+    `packed`: `pack_int8_weight(w_q)`, which the CPU path uses from 2 rows on (same result)."""
     _check_gemm(a_q, a_scale, w_q, w_scale, "int8_gemm")
     if a_q.is_cuda:
         from lmengine.kernels.triton.w8a8 import int8_gemm_triton
@@ -228,7 +239,7 @@ def int8_gemm(
         return torch.empty(0, w_q.shape[0], dtype=out_dtype)
     ops = cpu_ext.load()
     if ops is not None and out_dtype == torch.float32 and _float32_or_none(bias):
-        return ops.w8a8_linear(a_q, a_scale, w_q, w_scale, bias)
+        return ops.w8a8_linear(a_q, a_scale, w_q, w_scale, bias, packed)
     acc = int8_mm_cpu(a_q, w_q)  # [M, N] int32
     out = torch.mul(acc, a_scale)  # int32 * f32 -> f32 [M, N]
     out.mul_(w_scale)
@@ -242,11 +253,15 @@ def _float32_or_none(t: torch.Tensor | None) -> bool:
 
 
 def w8a8_linear_cpu(
-    x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None
+    x: torch.Tensor,
+    w_q: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    packed: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """The whole linear on a float32 CPU input in one compiled call (quantize per token,
     int8 GEMM, dequantize), or None when the compiled kernels cannot take it."""
     if x.dtype != torch.float32 or x.dim() != 2 or not _float32_or_none(bias):
         return None
     ops = cpu_ext.load()
-    return None if ops is None else ops.w8a8_linear_float(x, w_q, w_scale, bias)
+    return None if ops is None else ops.w8a8_linear_float(x, w_q, w_scale, bias, packed)

@@ -18,6 +18,7 @@ from transformers.activations import SiLUActivation
 from lmengine.kernels.w8a8 import (
     QMAX,
     int8_gemm,
+    pack_int8_weight,
     per_token_quant,
     rms_norm_quant,
     silu_mul_cpu,
@@ -116,17 +117,28 @@ class W8A8Linear(nn.Module):
             module.bias = linear.bias.detach().clone()
         return module
 
+    def packed_weight(self) -> torch.Tensor | None:
+        """`weight` in oneDNN's int8 matmul layout (CPU), packed again whenever `weight` is
+        replaced or changed in place (loading, sharding), else the copy made last time."""
+        w = self.weight
+        key = (w.data_ptr(), w._version, w.device, w.shape)
+        if getattr(self, "_packed_key", None) != key:
+            self._packed = pack_int8_weight(w)
+            self._packed_key = key
+        return self._packed
+
     def forward(self, x: QuantizedActivation | torch.Tensor) -> torch.Tensor:
+        packed = None if self.weight.is_cuda else self.packed_weight()
         if isinstance(x, QuantizedActivation):
             q, scale, dtype = x.data, x.scale, x.dtype
         else:
             if not x.is_cuda:  # one compiled call: quantize, GEMM, dequantize
-                out = w8a8_linear_cpu(x, self.weight, self.weight_scale, self.bias)
+                out = w8a8_linear_cpu(x, self.weight, self.weight_scale, self.bias, packed)
                 if out is not None:
                     return out
             q, scale = per_token_quant(x)  # [num_tokens, in] int8, [num_tokens, 1]
             dtype = x.dtype
-        return int8_gemm(q, scale, self.weight, self.weight_scale, self.bias, dtype)
+        return int8_gemm(q, scale, self.weight, self.weight_scale, self.bias, dtype, packed)
 
     def split(self, out: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """[num_tokens, sum_out] -> one tensor per source linear."""

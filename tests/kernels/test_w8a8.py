@@ -16,6 +16,7 @@ from lmengine.kernels.w8a8 import (
     int8_gemm_ref,
     int8_mm_cpu,
     int8_mm_ref,
+    pack_int8_weight,
     per_token_quant,
     per_token_quant_ref,
     rms_norm_quant,
@@ -240,6 +241,49 @@ def test_fused_float_input_linear_is_quant_then_gemm(shape, has_bias):
     assert out is not None, "the compiled CPU kernels did not build"
     assert torch.equal(out, int8_gemm_ref(*per_token_quant_ref(x), w, w_scale, bias))
     assert w8a8_linear_cpu(x.to(torch.bfloat16), w, w_scale, bias) is None  # float32 only
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 33, 64])
+@pytest.mark.parametrize("has_bias", [False, True])
+def test_packed_weight_gemm_is_bit_exact(rows, has_bias):
+    """oneDNN's int8 matmul on the pre-packed weight (2 rows and more; one row stays on
+    _int_mm): the same exact accumulator, then the same epilogue, so equal bit for bit, for an
+    int8 input and for the one-call float input."""
+    n, k = 70, 100
+    gen = torch.Generator().manual_seed(rows)
+    a, w = _int8((rows, k), 10), _int8((n, k), 11)
+    a[0, :3] = torch.tensor([127, -127, -128 + 1], dtype=torch.int8)  # extremes
+    a_scale, w_scale = torch.rand(rows, 1, generator=gen), torch.rand(n, generator=gen)
+    bias = torch.randn(n, generator=gen) if has_bias else None
+    packed = pack_int8_weight(w)
+    assert packed is not None, "no oneDNN int8 matmul in this torch"
+    ref = int8_gemm_ref(a, a_scale, w, w_scale, bias)
+    assert torch.equal(int8_gemm(a, a_scale, w, w_scale, bias, packed=packed), ref)
+    x = _rows((rows, k), seed=rows)
+    assert torch.equal(
+        w8a8_linear_cpu(x, w, w_scale, bias, packed),
+        int8_gemm_ref(*per_token_quant_ref(x), w, w_scale, bias),
+    )
+
+
+def test_w8a8_linear_repacks_a_changed_weight():
+    from torch import nn
+
+    from lmengine.models.w8a8 import W8A8Linear
+
+    layer = W8A8Linear.from_float(nn.Linear(64, 48))
+    x = _rows((4, 64), seed=12)
+
+    def reference():
+        return int8_gemm_ref(*per_token_quant_ref(x), layer.weight, layer.weight_scale, layer.bias)
+
+    assert torch.equal(layer(x), reference())
+    first = layer.packed_weight()
+    assert layer.packed_weight() is first  # cached while the weight stays
+    with torch.no_grad():
+        layer.weight.copy_(-layer.weight)  # in place, as a checkpoint load does
+    assert layer.packed_weight() is not first
+    assert torch.equal(layer(x), reference())
 
 
 @pytest.mark.parametrize("shape", GEMM_SHAPES)
