@@ -31,7 +31,7 @@ _CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 _KEEP_BUILDS = 3  # older builds besides the current one that stay in the cache
 _lock = threading.Lock()
 _module: ModuleType | None = None
-_tried = False
+_done = False  # the build was tried and finished (or failed): `_module` is final
 logger = logging.getLogger(__name__)
 
 
@@ -52,7 +52,9 @@ def _build() -> ModuleType:
     from torch.utils.cpp_extension import load as build
 
     sources = b"".join(path.read_bytes() for path in _SOURCES + _HEADERS)
-    digest = hashlib.sha256(sources + " ".join(_CFLAGS).encode()).hexdigest()[:16]
+    # NOTE: -march=native: a build is for this CPU only; a cache shared with another machine
+    # (a copied home, a network file system) must not hand it to a CPU that lacks its ISA
+    digest = hashlib.sha256(sources + " ".join(_CFLAGS).encode() + _cpu_flags()).hexdigest()[:16]
     name = f"lmengine_cpu_ops_{digest}"
     root = Path(os.environ.get("LMENGINE_CACHE", Path.home() / ".cache" / "lmengine"))
     build_dir = root / "cpu_ext" / digest
@@ -77,6 +79,17 @@ def _build() -> ModuleType:
     return module
 
 
+def _cpu_flags() -> bytes:
+    """The instruction-set flags of this CPU (Linux), b"" where unknown."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text(errors="replace").splitlines():
+            if line.startswith(("flags", "Features")):
+                return line.split(":", 1)[-1].strip().encode()
+    except OSError:
+        pass
+    return b""
+
+
 def _prune_old_builds(current: Path, keep: int = _KEEP_BUILDS) -> None:
     """Delete all but the `keep` most recent other builds (every source edit makes a new
     folder). A folder whose build lock another process holds is left alone; a process that
@@ -94,14 +107,16 @@ def _prune_old_builds(current: Path, keep: int = _KEEP_BUILDS) -> None:
 
 def load() -> ModuleType | None:
     """The compiled module, or None (then use the PyTorch path)."""
-    global _module, _tried
+    global _module, _done
     if not is_enabled():
         return None
+    if _done:  # NOTE: the hot path (every linear and attention call asks): no lock
+        return _module
     with _lock:
-        if not _tried:
-            _tried = True
+        if not _done:
             try:
                 _module = _build()
             except Exception as exc:  # noqa: BLE001 - any failure means: use the torch path
                 logger.warning("lmengine CPU kernels unavailable, using PyTorch paths: %s", exc)
+            _done = True
         return _module
