@@ -106,13 +106,14 @@ def _prune_old_builds(current: Path, keep: int = _KEEP_BUILDS) -> None:
 
 
 def load() -> ModuleType | None:
-    """The compiled module, or None (then use the PyTorch path)."""
+    """The compiled module, or None (then use the PyTorch path). `LMENGINE_CPU_EXT=0` is read
+    by the first call; tests that need the PyTorch path replace `load` itself."""
     global _module, _done
-    if not is_enabled():
-        return None
-    if _done:  # NOTE: the hot path (every linear and attention call asks): no lock
+    if _done:  # NOTE: the hot path (every linear and attention call asks): no lock, no env
         return _module
     with _lock:
+        if not _done and not is_enabled():
+            _done = True  # _module stays None
         if not _done:
             try:
                 _module = _build()
