@@ -1,8 +1,8 @@
 """Linear layers on CPU: a weight-streaming GEMV for a few rows, oneDNN on weights pre-packed
 once for mid-sized batches, and for large prefills MKL (`F.linear`) on Intel, oneDNN elsewhere.
 
-Measured on this project's 2-core CPU, float32, weights streamed from memory as in a real
-forward (all of SmolLM2-135M's linears, best of interleaved runs):
+Measured on the 2-core Intel Xeon of sessions 1-6, float32, weights streamed from memory as in
+a real forward (all of SmolLM2-135M's linears, best of interleaved runs):
 - 1 to 8 rows (single-stream decode, small batches, speculative verification): the compiled
   `gemv` (kernels/csrc/gemv_ops.cpp) streams the weights at ~16-17 GB/s, against ~13-15 GB/s
   for MKL's GEMV at one row and ~9-12 GB/s for oneDNN at 2-8 rows: 13 % faster than MKL at one
