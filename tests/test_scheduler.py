@@ -170,3 +170,64 @@ def test_random_workload_keeps_integrity_and_finishes(seed):
             break
     assert not s.has_unfinished and len(done) == 20
     assert s.block_manager.num_free_blocks == num_blocks
+
+
+def _park(sched, seqs):
+    """Run `seqs` to a computed state with nothing left to compute, as beams whose row is in
+    wait for their group (the engine's BeamSearch parks them)."""
+    for seq in seqs:
+        sched.add_sequence(seq)
+    out = sched.schedule()
+    assert {it.seq.seq_id for it in out.scheduled} == {s.seq_id for s in seqs}
+    sched.update(out, {}, [])  # computed; no token appended: a beam waits for its round
+    for seq in seqs:
+        seq.parked = True
+        assert seq.num_computed_tokens == seq.num_tokens
+
+
+@pytest.mark.parametrize("eviction", ["recompute", "swap"])
+def test_parked_sequences_give_their_blocks_when_nothing_else_can_run(eviction):
+    """The beam-search stall: parked beams hold the pool, the beams their groups wait for
+    queue behind. Each stalled step preempts one parked sequence until the head fits;
+    parked sequences are never admitted back, and they do not block the queue."""
+    bm = BlockManager(8, 16 if eviction == "swap" else 0, 4)
+    s = Scheduler(bm, get_policy("fcfs"), 8, 64, clock=lambda: 0.0, eviction_type=eviction)
+    a, b, c = make_seq(0, 8, arrival=0.0), make_seq(1, 8, arrival=1.0), make_seq(2, 8, arrival=2.0)
+    _park(s, [a, b])  # 4 of 8 blocks
+    _park(s, [c])  # 6 of 8
+    waiting = make_seq(3, 12, arrival=3.0)  # needs 3 blocks: 2 free
+    s.add_sequence(waiting)
+    out = s.schedule()  # stall: the newest parked one (fcfs victim) makes room
+    assert [it.seq for it in out.scheduled] == [waiting]
+    assert c.status != SequenceStatus.RUNNING and (out.preempted or out.swapped_out) == [c]
+    assert a.status == b.status == SequenceStatus.RUNNING
+    s.update(out, {3: 5}, [])
+    s.check_integrity()
+    # c stays out while parked, even with room for it, and does not block d behind it
+    d = make_seq(4, 2, arrival=4.0)
+    s.add_sequence(d)
+    s.abort_sequence(a)
+    out = s.schedule()
+    assert {it.seq.seq_id for it in out.scheduled} == {3, 4}
+    assert c.status != SequenceStatus.RUNNING
+    s.update(out, {3: 5, 4: 5}, [waiting, d])  # both finish
+    # its group moves on (the engine clears the flag): admitted like any other
+    c.parked = False
+    c.token_ids.append(9)
+    out = s.schedule()
+    assert 2 in {it.seq.seq_id for it in out.scheduled}
+    s.update(out, {it.seq.seq_id: 5 for it in out.scheduled if it.needs_sample}, [])
+    s.check_integrity()
+
+
+def test_no_unparking_while_something_runs_or_nothing_waits():
+    s = make_scheduler(num_blocks=8)
+    a = make_seq(0, 8)
+    _park(s, [a])
+    out = s.schedule()  # nothing waits: a keeps its blocks
+    assert not out.scheduled and not out.preempted and a.status == SequenceStatus.RUNNING
+    parked_waiting = make_seq(1, 20)
+    parked_waiting.parked = True
+    s.add_sequence(parked_waiting)
+    out = s.schedule()  # only a parked one waits: nobody is preempted for it
+    assert not out.preempted and a.status == SequenceStatus.RUNNING

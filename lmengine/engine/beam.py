@@ -296,6 +296,9 @@ class BeamSearch:
                     done.append((group.session_id, group))
                 else:
                     self._advance(group, parents, tokens)
+            else:  # the beams with their row in wait for the others, holding no claim
+                for seq in group.beams:
+                    seq.parked = seq.seq_id in group.rows
         self._unblock_swapped()
         device = self.scheduler.block_manager.device
         self.peak_blocks_in_use = max(self.peak_blocks_in_use, device.num_blocks - device.num_free)
@@ -326,6 +329,7 @@ class BeamSearch:
                 seq.token_ids.append(tokens[j])
         group.beams = new_beams
         for seq in new_beams:
+            seq.parked = False  # a new round: every beam computes its next token
             self.group_of[seq.seq_id] = group
 
     def _fork(self, parent: Sequence, token: int) -> Sequence:

@@ -218,6 +218,9 @@ class Scheduler:
         # would thrash)
         if not (out.preempted or out.swapped_out):
             self._admit(out, now)
+        # 3. a stall: nothing runs and the head of the queue does not fit
+        if not out.scheduled:
+            self._unpark_one(out, now)
         if self.adapter_manager is not None:
             out.adapter_plan = self.adapter_manager.plan(it.seq.adapter_id for it in out.scheduled)
         return out
@@ -239,10 +242,29 @@ class Scheduler:
             room = min(room, self.max_seq_len - seq.num_tokens - 1)
         return max(0, min(self.num_lookahead_slots, room))
 
+    def _unpark_one(self, out: SchedulerOutput, now: float) -> None:
+        """When nothing could run this step but a sequence waits, its blocks (or batch slot)
+        may be held by parked sequences (beams whose groups wait for beams that are queued):
+        preempt one parked sequence, the policy's victim, and admit again. One per step, so a
+        swapped head gets its chance (a swap-in never shares a step with a swap-out) before
+        more are preempted; parked sequences are never admitted, so they cannot come straight
+        back."""
+        if not any(not s.parked for s in (*self.waiting, *self.swapped)):
+            return
+        parked = [s for s in self.running if s.parked]
+        if not parked:
+            return
+        victim = self.victim(parked, now)
+        self.running.remove(victim)
+        self._preempt(victim, out)
+        self._admit(out, now)
+
     def _admit(self, out: SchedulerOutput, now: float) -> None:
         bm = self.block_manager
         admitted: set[int] = set()
         for seq in self.order([*self.swapped, *self.waiting], now):
+            if seq.parked:
+                continue  # wants no slot until it is moved on
             is_swapped = seq.status == SequenceStatus.SWAPPED
             # prefix caching: a waiting sequence takes the cached blocks of its prefix first,
             # and gives them back when it is not admitted after all

@@ -59,6 +59,10 @@ class Sequence(TokenCounts):
     num_prompt_tokens: int = -1
     num_charged_tokens: int = 0  # tokens already counted as served to its QoS tenant
     tenant: Any = None  # the QoS tenant (qos.Tenant) when QoS is on
+    # nothing to compute until something outside the scheduler moves it on (a beam whose row
+    # of this round is in, waiting for its group's other beams): never admitted while parked,
+    # and the first to give its blocks back when nothing else can run
+    parked: bool = False
 
     def __post_init__(self) -> None:
         if self.num_prompt_tokens < 0:
