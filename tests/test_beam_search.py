@@ -91,29 +91,39 @@ def test_beam_with_end_tokens_matches_transformers(engine, tiny_llama_path, extr
     engine.check_integrity()
 
 
+def _beams_and_greedy(rng):
+    """Six long prompts: three beam requests (k = 3, 2, 4) alternating with greedy ones.
+    Returns (prompts, configs, the greedy config)."""
+    prompts = [_prompt(rng) + _prompt(rng) for _ in range(6)]
+    beams = [
+        GenerationConfig(num_beams=3, max_new_tokens=10, num_return_sequences=2),
+        GenerationConfig(num_beams=2, max_new_tokens=12, length_penalty=0.7),
+        GenerationConfig(num_beams=4, max_new_tokens=8, early_stopping=True),
+    ]
+    greedy = GenerationConfig(max_new_tokens=12)
+    return prompts, [beams[0], greedy, beams[1], greedy, beams[2], greedy], greedy
+
+
+def _small_pool(eviction_type, **extra):
+    """A 24-block pool of 4-token blocks: too small for the mix above to run at once."""
+    return EngineConfig(
+        dtype="float32",
+        block_size=4,
+        num_gpu_blocks=24,
+        num_cpu_blocks=64 if eviction_type == "swap" else 0,
+        eviction_type=eviction_type,
+        **extra,
+    )
+
+
 @pytest.mark.parametrize(
     "eviction_type,prefix_caching", [("recompute", False), ("swap", False), ("recompute", True)]
 )
 def test_beam_batched_with_greedy_under_preemption(tiny_llama_path, eviction_type, prefix_caching):
     """Beam requests and greedy requests together in a pool too small for all: beams are
     preempted (by recompute or swap) and forked; every output still equals transformers."""
-    rng = random.Random(3)
-    prompts = [_prompt(rng) + _prompt(rng) for _ in range(6)]
-    beam_cfgs = [
-        GenerationConfig(num_beams=3, max_new_tokens=10, num_return_sequences=2),
-        GenerationConfig(num_beams=2, max_new_tokens=12, length_penalty=0.7),
-        GenerationConfig(num_beams=4, max_new_tokens=8, early_stopping=True),
-    ]
-    greedy = GenerationConfig(max_new_tokens=12)
-    configs = [beam_cfgs[0], greedy, beam_cfgs[1], greedy, beam_cfgs[2], greedy]
-    cfg = EngineConfig(
-        dtype="float32",
-        block_size=4,
-        num_gpu_blocks=24,
-        num_cpu_blocks=64 if eviction_type == "swap" else 0,
-        eviction_type=eviction_type,
-        enable_prefix_caching=prefix_caching,
-    )
+    prompts, configs, greedy = _beams_and_greedy(random.Random(3))
+    cfg = _small_pool(eviction_type, enable_prefix_caching=prefix_caching)
     with Engine.from_pretrained(tiny_llama_path, cfg) as eng:
         outs = run_threads(eng, prompts, configs)
         stats = eng.stats()
@@ -140,21 +150,8 @@ def test_beams_never_stall_whatever_the_arrival_order(tiny_llama_path, eviction_
     then stepped on with nothing to run, forever (about 1 interleaving in 20). Every run
     must finish, with the same outputs."""
     rng = random.Random(4)
-    prompts = [_prompt(rng) + _prompt(rng) for _ in range(6)]
-    beams = [
-        GenerationConfig(num_beams=3, max_new_tokens=10, num_return_sequences=2),
-        GenerationConfig(num_beams=2, max_new_tokens=12, length_penalty=0.7),
-        GenerationConfig(num_beams=4, max_new_tokens=8, early_stopping=True),
-    ]
-    greedy = GenerationConfig(max_new_tokens=12)
-    configs = [beams[0], greedy, beams[1], greedy, beams[2], greedy]
-    cfg = EngineConfig(
-        dtype="float32",
-        block_size=4,
-        num_gpu_blocks=24,
-        num_cpu_blocks=64 if eviction_type == "swap" else 0,
-        eviction_type=eviction_type,
-    )
+    prompts, configs, _ = _beams_and_greedy(rng)
+    cfg = _small_pool(eviction_type)
     first = None
     with Engine.from_pretrained(tiny_llama_path, cfg) as eng:
         for run in range(8):
