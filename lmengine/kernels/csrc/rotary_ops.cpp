@@ -14,6 +14,8 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "vec_math.h"
+
 namespace {
 
 __attribute__((optimize("fp-contract=off"))) inline void rotate_row(
@@ -83,8 +85,24 @@ at::Tensor rotary_fill_kv(const at::Tensor& q, const at::Tensor& k, const at::Te
   // ~64K floats per task: a decode batch (tens of tokens, a few microseconds of work) stays
   // on one thread, without a fork / join that costs more than the work on a busy machine
   const int64_t grain = std::max<int64_t>(1, 65536 / ((heads + 2 * kv_heads) * dim));
+  // The slots are scattered over a pool far larger than the caches: each written line is a
+  // miss, and stores that miss barely overlap. Claiming the lines of the token kLookahead
+  // ahead overlaps them: 64 decode tokens into a cold 776-block pool, 122 -> 100 us per call
+  // on an AMD EPYC (Zen 4); cache-bypassing stores instead measured no better (109-124 us).
+  constexpr int64_t kLookahead = 4;
+  const int64_t row_bytes = row * static_cast<int64_t>(sizeof(float));
+  auto claim = [&](int64_t t) {
+    const char* kd = reinterpret_cast<const char*>(kc + sp[t] * row);
+    const char* vd = reinterpret_cast<const char*>(vc + sp[t] * row);
+    for (int64_t b = 0; b < row_bytes; b += 64) {
+      prefetch_line_for_write(kd + b);
+      prefetch_line_for_write(vd + b);
+    }
+  };
   at::parallel_for(0, num_tokens, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < std::min(end, begin + kLookahead); ++t) claim(t);
     for (int64_t t = begin; t < end; ++t) {
+      if (t + kLookahead < end) claim(t + kLookahead);
       const float* c = cp + t * dim;
       const float* s = snp + t * dim;
       for (int64_t h = 0; h < heads; ++h) {

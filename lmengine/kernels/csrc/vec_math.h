@@ -41,3 +41,16 @@ inline void prefetch_line(const void* p) {
   __builtin_prefetch(p);
 #endif
 }
+
+// Ask for the cache line holding p, to be written (exclusive ownership where the CPU has
+// PREFETCHW, else a read prefetch). For scattered stores into cold memory: a store that
+// misses waits in the store buffer for its line, and few such misses overlap.
+inline void prefetch_line_for_write(const void* p) {
+#if (defined(__x86_64__) || defined(__i386__)) && defined(__PRFCHW__)
+  asm volatile("prefetchw %0" : : "m"(*static_cast<const char*>(p)));
+#elif defined(__aarch64__)
+  asm volatile("prfm pstl1keep, %0" : : "Q"(*static_cast<const char*>(p)));
+#else
+  prefetch_line(p);
+#endif
+}
