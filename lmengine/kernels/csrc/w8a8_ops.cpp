@@ -4,7 +4,8 @@
 // 2 rows on, where a weight was pre-packed (`w8a8_pack`), oneDNN's int8 matmul on that packed
 // copy (torch's onednn::qlinear_pointwise): _int_mm re-packs the weight in every call, which
 // cost ~15 % of the GEMMs of a 64-row decode step and ~30 % at 2-16 rows on an AMD EPYC. One
-// row stays on _int_mm, faster there (3.5 vs 5.1 ms for SmolLM2's decoder layers).
+// row stays on _int_mm, faster there (3.5 vs 5.1 ms for SmolLM2's decoder layers). The packed
+// path is used only where a probe finds it exact: not on CPUs without VNNI (see w8a8_pack).
 //
 // Numerics equal lmengine/kernels/w8a8.py's references bit for bit:
 //   quant:    amax = max(max|x_row|, 1e-8); q = rint(x * (127 / amax)) (half to even);
@@ -200,15 +201,47 @@ at::Tensor w8a8_linear(const at::Tensor& q, const at::Tensor& a_scale, const at:
   return out;
 }
 
-// w: [N, K] int8 -> its copy in oneDNN's int8 matmul layout for w8a8_linear(packed=...), or
-// None where this torch has no oneDNN int8 ops
-c10::optional<at::Tensor> w8a8_pack(const at::Tensor& w) {
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kChar, "w8a8_pack: w must be [N, K] int8");
+namespace {
+
+// oneDNN's int8 matmul layout of w [N, K], or an undefined tensor where this torch has none
+at::Tensor prepack_int8(const at::Tensor& w) {
   auto prepack = c10::Dispatcher::singleton().findSchema({"onednn::qlinear_prepack", ""});
-  if (!prepack.has_value() || qlinear_op() == nullptr) return c10::nullopt;
+  if (!prepack.has_value() || qlinear_op() == nullptr) return at::Tensor();
   torch::jit::Stack stack{w.contiguous(), std::vector<int64_t>{64, w.size(1)}};
   prepack->callBoxed(&stack);
   return stack[0].toTensor();
+}
+
+// Whether the packed GEMM gives the exact int32 accumulator on this CPU. Without VNNI (AVX2
+// only, e.g. AMD Zen 3) oneDNN multiplies uint8 by int8 with vpmaddubsw, which saturates each
+// pair sum to int16: 255 * 127 * 2 overflows it, and on a Zen 3 the packed results were off by
+// up to ~10^5. A probe at those extremes, once per process; _int_mm stays exact there.
+bool packed_gemm_exact() {
+  static const bool exact = [] {
+    const int64_t m = 2, n = 16, k = 64;
+    auto q = at::full({m, k}, 127, at::kChar);
+    q[1].fill_(-127);
+    auto w = at::full({n, k}, 127, at::kChar);
+    w.slice(0, n / 2).fill_(-127);
+    auto packed = prepack_int8(w);
+    if (!packed.defined()) return false;
+    auto got = packed_int8_mm(q, packed, n);
+    auto want = at::matmul(q.to(at::kFloat), w.to(at::kFloat).t());  // |sums| < 2^24: exact
+    return at::equal(got, want);
+  }();
+  return exact;
+}
+
+}  // namespace
+
+// w: [N, K] int8 -> its copy in oneDNN's int8 matmul layout for w8a8_linear(packed=...), or
+// None where this torch has no oneDNN int8 ops or their result is not exact on this CPU
+c10::optional<at::Tensor> w8a8_pack(const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kChar, "w8a8_pack: w must be [N, K] int8");
+  if (!packed_gemm_exact()) return c10::nullopt;
+  auto packed = prepack_int8(w);
+  if (!packed.defined()) return c10::nullopt;
+  return packed;
 }
 
 // RMSNorm (of residual + x when residual is given) fused with per-token quantization, one pass
