@@ -70,27 +70,49 @@ struct NextRows {
   }
 };
 
+// Lane i of the result = the sum of the lanes of s[i]: eight horizontal sums in one
+// transposing tree (three rounds of pairwise adds) instead of three shuffle rounds per key.
+inline v8f transpose_sum8(const v8f* s) {
+  auto hadd = [](v8f a, v8f b) {  // [a01 a23 b01 b23 | a45 a67 b45 b67], as vhaddps
+    return __builtin_shufflevector(a, b, 0, 2, 8, 10, 4, 6, 12, 14) +
+           __builtin_shufflevector(a, b, 1, 3, 9, 11, 5, 7, 13, 15);
+  };
+  const v8f lo = hadd(hadd(s[0], s[1]), hadd(s[2], s[3]));  // keys 0-3: low | high halves
+  const v8f hi = hadd(hadd(s[4], s[5]), hadd(s[6], s[7]));
+  return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 8, 9, 10, 11) +
+         __builtin_shufflevector(lo, hi, 4, 5, 6, 7, 12, 13, 14, 15);
+}
+
 // Scaled (and capped) scores of one block: s[g * block_size + t] = q_g . k_t for every query
-// head g of the group and key t. head_dim fixed at kDim (a multiple of 8): each key row is
-// loaded once into registers and serves the whole group; two partial sums per dot product.
+// head g of the group and key t. head_dim fixed at kDim (a multiple of 8). Keys go eight at a
+// time: for each head, eight independent accumulators (one per key, each FMA's key row from
+// L1 after the group's first head), then one transposed reduction gives the eight scores as
+// one vector. A last partial group of keys repeats its last key in the missing lanes (their
+// scores are dropped), so every key's score is summed in the same order wherever it sits.
 template <int64_t kDim, typename Cache>
 inline void block_scores(const float* q_group, const float* k_block, int64_t stride,
                          int64_t num_keys, int64_t group, int64_t block_size, float fscale,
                          float fcap, float* scores, const NextRows<Cache>& next) {
   constexpr int64_t kVec = kDim / 8;
-  for (int64_t t = 0; t < num_keys; ++t) {
-    next.prefetch(t);
-    const float* kt = k_block + t * stride;
-    v8f k[kVec];
-    for (int64_t j = 0; j < kVec; ++j) k[j] = load8(kt + 8 * j);
+  for (int64_t t0 = 0; t0 < num_keys; t0 += 8) {
+    const int64_t n = std::min<int64_t>(8, num_keys - t0);
+    for (int64_t t = t0; t < t0 + 8; ++t) next.prefetch(t);
+    const float* kt[8];
+    for (int64_t i = 0; i < 8; ++i) kt[i] = k_block + (t0 + std::min(i, n - 1)) * stride;
     for (int64_t g = 0; g < group; ++g) {
       const float* qg = q_group + g * kDim;
-      v8f a0 = load8(qg) * k[0], a1 = load8(qg + 8) * k[1];
-      for (int64_t j = 2; j < kVec; j += 2) {
-        a0 += load8(qg + 8 * j) * k[j];
-        a1 += load8(qg + 8 * j + 8) * k[j + 1];
+      v8f acc[8] = {};
+      for (int64_t j = 0; j < kVec; ++j) {
+        const v8f qj = load8(qg + 8 * j);
+        for (int64_t i = 0; i < 8; ++i) acc[i] += qj * load8(kt[i] + 8 * j);
       }
-      scores[g * block_size + t] = hsum8(a0 + a1) * fscale;
+      const v8f sum = transpose_sum8(acc) * fscale;
+      float* out = scores + g * block_size + t0;
+      if (n == 8) {
+        *reinterpret_cast<v8f*>(out) = sum;
+      } else {
+        for (int64_t i = 0; i < n; ++i) out[i] = sum[i];
+      }
     }
   }
   if (fcap > 0.f) {
