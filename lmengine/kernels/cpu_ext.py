@@ -24,7 +24,14 @@ _CSRC = Path(__file__).resolve().parent / "csrc"
 # cpu_ops.cpp holds the bindings
 _SOURCES = [
     _CSRC / name
-    for name in ("cpu_ops.cpp", "w8a8_ops.cpp", "lora_ops.cpp", "rotary_ops.cpp", "gemv_ops.cpp")
+    for name in (
+        "cpu_ops.cpp",
+        "w8a8_ops.cpp",
+        "lora_ops.cpp",
+        "rotary_ops.cpp",
+        "gemv_ops.cpp",
+        "layer_ops.cpp",
+    )
 ]
 _HEADERS = [_CSRC / "vec_math.h"]  # included by the sources: part of the build's hash
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]

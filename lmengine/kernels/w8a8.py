@@ -21,6 +21,8 @@ from __future__ import annotations
 import torch
 
 from lmengine.kernels import cpu_ext
+from lmengine.kernels.activation import silu_mul_compiled, silu_mul_compiled_takes
+from lmengine.kernels.rms_norm import compiled_norm_takes, rms_norm_cpu
 
 QMAX = 127
 _MIN_AMAX = 1e-8  # an all-zero row quantizes to zeros with a tiny, finite scale
@@ -87,13 +89,6 @@ def rms_norm_quant_ref(
     return q, scale, summed
 
 
-def _compiled_norm_takes(
-    x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None
-) -> bool:
-    tensors = [x, weight] + ([residual] if residual is not None else [])
-    return all(t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
-
-
 def rms_norm_quant(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -108,29 +103,15 @@ def rms_norm_quant(
 
         return rms_norm_quant_triton(x, weight, eps, residual)
     ops = cpu_ext.load()
-    if ops is not None and _compiled_norm_takes(x, weight, residual):
+    if ops is not None and compiled_norm_takes(x, weight, residual):
         q, scale, summed = ops.w8a8_rms_norm_quant(x, weight, eps, residual)
         return q, scale, summed if residual is not None else None
-    summed = None if residual is None else residual + x
-    src = x if summed is None else summed
-    if src.dtype == torch.float32 and weight.dtype == torch.float32:
-        # torch's fused RMSNorm is bit-identical to the reference in float32 (rms_norm.py)
-        normed = torch.rms_norm(src, (src.shape[-1],), weight, eps)
-    else:
-        from lmengine.kernels.rms_norm import rms_norm_ref
-
-        normed = rms_norm_ref(src, weight, eps)
+    normed, summed = rms_norm_cpu(x, weight, eps, residual)
     q, scale = per_token_quant_cpu(normed)
     return q, scale, summed
 
 
 # ---- SwiGLU product (+ quantization) -------------------------------------------------------------
-
-
-def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
-    """[num_tokens, 2 * inter] (gate, then up) -> silu(gate) * up, [num_tokens, inter]."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    return torch.nn.functional.silu(gate) * up
 
 
 def silu_mul_cpu(
@@ -139,15 +120,12 @@ def silu_mul_cpu(
     """`silu_mul_ref` in one compiled pass (silu within a few ulp of torch's), quantized per
     token in the same pass when `quantize` ((q, scale) as `per_token_quant`); None where the
     compiled kernels cannot take it (not float32 CPU rows, or not built)."""
-    if gate_up.is_cuda or gate_up.dtype != torch.float32 or gate_up.dim() != 2:
-        return None
-    if gate_up.stride(-1) != 1 or gate_up.shape[-1] % 2:
+    if not quantize:
+        return silu_mul_compiled(gate_up)
+    if not silu_mul_compiled_takes(gate_up):
         return None
     ops = cpu_ext.load()
-    if ops is None:
-        return None
-    out, scale = ops.w8a8_silu_mul(gate_up, quantize)
-    return (out, scale) if quantize else out
+    return None if ops is None else ops.w8a8_silu_mul(gate_up)
 
 
 # ---- int8 GEMM ----------------------------------------------------------------------------------

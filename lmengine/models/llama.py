@@ -8,6 +8,8 @@ history through the StepContext. The LM head runs only on the rows that are samp
 from __future__ import annotations
 
 import torch
+from torch import nn
+from transformers.activations import SiLUActivation
 from transformers.models.llama.modeling_llama import (
     LlamaAttention,
     LlamaDecoderLayer,
@@ -18,6 +20,7 @@ from transformers.models.llama.modeling_llama import (
 )
 
 from lmengine.kernels import add_rms_norm, rms_norm
+from lmengine.kernels.activation import silu_mul
 from lmengine.models.attention import PagedAttentionMixin, set_rotary
 from lmengine.models.context import get_step_context
 from lmengine.models.layers import PackedLinear, merge_linears
@@ -41,9 +44,23 @@ class PatchedLlamaMLP(LlamaMLP):
         merge_linears(self, "gate_up_proj", ["gate_proj", "up_proj"])
         PackedLinear.convert(self.down_proj)
 
+    def fuses_silu_mul(self, gate_up: torch.Tensor) -> bool:
+        """True when act_fn(gate) * up is SwiGLU's silu product over [gate | up] halves of
+        `gate_up`, so that one fused op (`silu_mul`) can compute it."""
+        return (
+            isinstance(self.act_fn, (SiLUActivation, nn.SiLU))
+            and self.gate_up_proj.output_sizes[0] * 2 == gate_up.shape[-1]
+        )
+
+    def act_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """[num_tokens, 2 * intermediate] -> act_fn(gate) * up [num_tokens, intermediate]."""
+        if self.fuses_silu_mul(gate_up):
+            return silu_mul(gate_up)
+        gate, up = self.gate_up_proj.split(gate_up)
+        return self.act_fn(gate) * up
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))  # [num_tokens, intermediate]
-        return self.down_proj(self.act_fn(gate) * up)
+        return self.down_proj(self.act_mul(self.gate_up_proj(x)))
 
 
 class PatchedLlamaAttention(PagedAttentionMixin, LlamaAttention):

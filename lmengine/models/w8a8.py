@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers.activations import SiLUActivation
 
 from lmengine.kernels.w8a8 import (
     QMAX,
@@ -155,20 +154,13 @@ class W8A8LlamaMLP(PatchedLlamaMLP):
 
     def forward(self, x: torch.Tensor | QuantizedActivation) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate] float
-        if (
-            isinstance(self.act_fn, (SiLUActivation, nn.SiLU))
-            and self.gate_up_proj.output_sizes[0] * 2 == gate_up.shape[-1]
-        ):
-            if self.down_proj.takes_quantized_input:
-                quantized = silu_mul_cpu(gate_up, quantize=True)
-                if quantized is not None:
-                    return self.down_proj(QuantizedActivation(*quantized, gate_up.dtype))
-            else:  # the same act values, quantized by the layer with its agreed scale
-                act = silu_mul_cpu(gate_up, quantize=False)
-                if act is not None:
-                    return self.down_proj(act)
-        gate, up = self.gate_up_proj.split(gate_up)
-        return self.down_proj(self.act_fn(gate) * up)
+        if self.down_proj.takes_quantized_input and self.fuses_silu_mul(gate_up):
+            quantized = silu_mul_cpu(gate_up, quantize=True)
+            if quantized is not None:
+                return self.down_proj(QuantizedActivation(*quantized, gate_up.dtype))
+        # else the float product: a row-parallel down projection quantizes it with its agreed
+        # scale
+        return self.down_proj(self.act_mul(gate_up))
 
 
 # Class of a patched module -> its W8A8 replacement. Linears are rebuilt (`from_float`: the

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from lmengine.kernels import add_rms_norm, rms_norm
+from lmengine.kernels import add_rms_norm, cpu_ext, rms_norm
 from lmengine.kernels.rms_norm import add_rms_norm_ref, rms_norm_ref
 
 EPS = 1e-6
@@ -42,28 +42,73 @@ def _llama_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
 # --- CPU dispatch path -------------------------------------------------------------------------
 
 
+# float32 on the CPU runs the compiled kernel, which sums the squares in its own order: a few
+# ulp from the reference. float16/bfloat16 run the reference's own ops: bit-exact.
+CPU_TOL = {torch.float32: {"rtol": 1e-6, "atol": 1e-6}}
+EXACT = {"rtol": 0, "atol": 0}
+# more rows than one task takes (the kernel splits rows over threads from ~228 of width 576)
+CPU_SHAPES = SHAPES + [(64, 576), (300, 576)]
+
+
+def _cpu_tol(dtype):
+    if dtype == torch.float32:
+        assert cpu_ext.load() is not None, "the compiled CPU kernels did not build"
+    return CPU_TOL.get(dtype, EXACT)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("shape", CPU_SHAPES)
 @pytest.mark.parametrize("seed", [0, 1])
 def test_rms_norm_cpu_matches_reference_and_transformers(dtype, shape, seed):
     x, _, weight = _inputs(shape, dtype, seed)
     out = rms_norm(x, weight, EPS)
     assert out.dtype == dtype and out.shape == x.shape
-    # same operations in the same order: bit-exact in every dtype
-    torch.testing.assert_close(out, rms_norm_ref(x, weight, EPS), rtol=0, atol=0)
-    torch.testing.assert_close(out, _llama_rms_norm(x, weight, EPS), rtol=0, atol=0)
+    tol = _cpu_tol(dtype)
+    torch.testing.assert_close(out, rms_norm_ref(x, weight, EPS), **tol)
+    torch.testing.assert_close(out, _llama_rms_norm(x, weight, EPS), **tol)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("shape", CPU_SHAPES)
 def test_add_rms_norm_cpu_matches_reference_and_transformers(dtype, shape):
     x, residual, weight = _inputs(shape, dtype, seed=2)
     normed, summed = add_rms_norm(x, residual, weight, EPS)
     ref_normed, ref_summed = add_rms_norm_ref(x, residual, weight, EPS)
-    torch.testing.assert_close(summed, ref_summed, rtol=0, atol=0)
-    torch.testing.assert_close(normed, ref_normed, rtol=0, atol=0)
-    torch.testing.assert_close(summed, residual + x, rtol=0, atol=0)
-    torch.testing.assert_close(normed, _llama_rms_norm(residual + x, weight, EPS), rtol=0, atol=0)
+    tol = _cpu_tol(dtype)
+    torch.testing.assert_close(summed, ref_summed, **EXACT)  # one add per element either way
+    torch.testing.assert_close(summed, residual + x, **EXACT)
+    torch.testing.assert_close(normed, ref_normed, **tol)
+    torch.testing.assert_close(normed, _llama_rms_norm(residual + x, weight, EPS), **tol)
+
+
+def test_rms_norm_cpu_three_dim_and_strided_inputs():
+    """A [tokens, heads, dim] input (per-head q/k norms) normalises each last-dim row; a
+    non-contiguous float32 input takes torch's fused RMSNorm, bit-exact to the reference."""
+    x, residual, weight = _inputs((6, 4, 32), torch.float32, seed=4)
+    out = rms_norm(x, weight, EPS)
+    assert out.shape == x.shape
+    torch.testing.assert_close(out, rms_norm_ref(x, weight, EPS), **_cpu_tol(torch.float32))
+    strided = x.transpose(0, 1)
+    torch.testing.assert_close(
+        rms_norm(strided, weight, EPS), rms_norm_ref(strided, weight, EPS), **EXACT
+    )
+    normed, summed = add_rms_norm(strided, residual.transpose(0, 1), weight, EPS)
+    ref_normed, ref_summed = add_rms_norm_ref(strided, residual.transpose(0, 1), weight, EPS)
+    torch.testing.assert_close(normed, ref_normed, **EXACT)
+    torch.testing.assert_close(summed, ref_summed, **EXACT)
+
+
+def test_rms_norm_cpu_extreme_rows():
+    """Large and tiny magnitudes and an all-zero row (eps keeps it finite) on the compiled
+    path."""
+    x = torch.randn(4, 576)
+    x[0] *= 1e18
+    x[1] *= 1e-18
+    x[2] = 0.0
+    weight = torch.rand(576) + 0.5
+    out = rms_norm(x, weight, EPS)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, rms_norm_ref(x, weight, EPS), **_cpu_tol(torch.float32))
 
 
 def test_rms_norm_cpu_float32_weight_promotes_like_transformers():

@@ -1,4 +1,5 @@
-// Vectorisable math shared by the compiled CPU kernels (cpu_ops.cpp, w8a8_ops.cpp).
+// Vectorisable math shared by the compiled CPU kernels (cpu_ops.cpp, w8a8_ops.cpp,
+// layer_ops.cpp).
 #pragma once
 
 #include <algorithm>
@@ -53,4 +54,30 @@ inline void prefetch_line_for_write(const void* p) {
 #else
   prefetch_line(p);
 #endif
+}
+
+// One row of RMSNorm as transformers' LlamaRMSNorm computes it in float32: src = residual + x
+// (also written to `summed`) or x, out = weight * (src * (1 / sqrt(mean(src^2) + eps))). The
+// sum of squares is reduced in another order than torch's, so out is within a few ulp of it.
+inline void rms_norm_row(const float* x, const float* residual, float* summed,
+                         const float* weight, float eps, int64_t k, float* out) {
+  const float* src = x;
+  if (residual != nullptr) {
+#pragma omp simd
+    for (int64_t i = 0; i < k; ++i) summed[i] = residual[i] + x[i];
+    src = summed;
+  }
+  float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t i = 0; i < k; ++i) ss += src[i] * src[i];
+  const float r = 1.0f / std::sqrt(ss / static_cast<float>(k) + eps);
+#pragma omp simd
+  for (int64_t i = 0; i < k; ++i) out[i] = weight[i] * (src[i] * r);
+}
+
+// One row of SwiGLU's product: act = silu(gate) * up, silu(g) = g / (1 + exp(-g)) through
+// exp_approx (2 ulp), so act is within a few ulp of torch's silu then multiply.
+inline void silu_mul_row(const float* gate, const float* up, float* act, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) act[i] = gate[i] / (1.0f + exp_approx(-gate[i])) * up[i];
 }

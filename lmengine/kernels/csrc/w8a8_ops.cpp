@@ -70,22 +70,10 @@ __attribute__((optimize("fp-contract=off"))) void dequant_rows(
   }
 }
 
-// One row of w8a8_rms_norm_quant: normalised = weight * (src * (1 / sqrt(mean(src^2) + eps)))
-// into `buf`, then quantized by quant_rows. src = residual + x (written to `summed`) or x.
+// One row of w8a8_rms_norm_quant: rms_norm_row into `buf`, then quantized by quant_rows.
 void norm_quant_row(const float* x, const float* residual, float* summed, const float* weight,
                     float eps, int64_t k, float* buf, int8_t* q, float* scale) {
-  const float* src = x;
-  if (residual != nullptr) {
-#pragma omp simd
-    for (int64_t i = 0; i < k; ++i) summed[i] = residual[i] + x[i];
-    src = summed;
-  }
-  float ss = 0.0f;
-#pragma omp simd reduction(+ : ss)
-  for (int64_t i = 0; i < k; ++i) ss += src[i] * src[i];
-  const float r = 1.0f / std::sqrt(ss / static_cast<float>(k) + eps);
-#pragma omp simd
-  for (int64_t i = 0; i < k; ++i) buf[i] = weight[i] * (src[i] * r);
+  rms_norm_row(x, residual, summed, weight, eps, k, buf);
   quant_rows(buf, q, scale, 0, 1, k);
 }
 
@@ -284,33 +272,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> w8a8_rms_norm_quant(
   return {q, scale, summed};
 }
 
-// The SwiGLU product of a fused gate/up output, the input of a w8a8 down projection:
-// act = silu(gate) * up with silu(g) = g / (1 + exp(-g)) through exp_approx (2 ulp), so act is
-// within a few ulp of torch's. gate_up: [M, 2 * I] float32, rows contiguous (gate = columns
-// 0..I-1, up = I..2I-1). `quantize`: (q [M, I] int8, scale [M, 1]) as w8a8_quant does, in the
-// same pass; else (act [M, I] float32, undefined): a row-parallel down projection quantizes
-// with the scale agreed over the ranks, from the same act values.
-std::tuple<at::Tensor, at::Tensor> w8a8_silu_mul(const at::Tensor& gate_up, bool quantize) {
+// The SwiGLU product of a fused gate/up output, quantized for a w8a8 down projection in the same
+// pass: silu_mul_row (within a few ulp of torch's) then quant_rows, as w8a8_quant would.
+// gate_up: [M, 2 * I] float32, rows contiguous (gate = columns 0..I-1, up = I..2I-1) ->
+// (q [M, I] int8, scale [M, 1]). The float product alone is layer_ops.cpp's silu_mul.
+std::tuple<at::Tensor, at::Tensor> w8a8_silu_mul(const at::Tensor& gate_up) {
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.scalar_type() == at::kFloat &&
                   gate_up.stride(1) == 1 && gate_up.size(1) % 2 == 0,
               "w8a8_silu_mul: gate_up must be [M, 2 * I] float32 with contiguous rows");
   const int64_t m = gate_up.size(0), inter = gate_up.size(1) / 2, ld = gate_up.stride(0);
-  at::Tensor out = at::empty({m, inter}, gate_up.options().dtype(quantize ? at::kChar : at::kFloat));
-  at::Tensor scale = quantize ? at::empty({m, 1}, gate_up.options()) : at::Tensor();
+  at::Tensor out = at::empty({m, inter}, gate_up.options().dtype(at::kChar));
+  at::Tensor scale = at::empty({m, 1}, gate_up.options());
   const float* gp = gate_up.data_ptr<float>();
   at::parallel_for(0, m, std::max<int64_t>(1, 65536 / std::max<int64_t>(1, inter)),
                    [&](int64_t begin, int64_t end) {
-    std::vector<float> buf(quantize ? inter : 0);
+    std::vector<float> buf(inter);
     for (int64_t r = begin; r < end; ++r) {
-      const float* g = gp + r * ld;
-      const float* u = g + inter;
-      float* a = quantize ? buf.data() : out.data_ptr<float>() + r * inter;
-#pragma omp simd
-      for (int64_t i = 0; i < inter; ++i) a[i] = g[i] / (1.0f + exp_approx(-g[i])) * u[i];
-      if (quantize) {
-        quant_rows(a, out.data_ptr<int8_t>() + r * inter, scale.data_ptr<float>() + r, 0, 1,
-                   inter);
-      }
+      silu_mul_row(gp + r * ld, gp + r * ld + inter, buf.data(), inter);
+      quant_rows(buf.data(), out.data_ptr<int8_t>() + r * inter, scale.data_ptr<float>() + r, 0,
+                 1, inter);
     }
   });
   return {out, scale};
@@ -335,8 +315,7 @@ void register_w8a8_ops(py::module& m) {
   m.def("w8a8_pack", &w8a8_pack, "int8 weight [N, K] in oneDNN's matmul layout (or None)",
         py::arg("w"));
   m.def("w8a8_silu_mul", &w8a8_silu_mul,
-        "silu(gate) * up of a fused gate/up output, optionally quantized per token",
-        py::arg("gate_up"), py::arg("quantize"));
+        "silu(gate) * up of a fused gate/up output, quantized per token", py::arg("gate_up"));
   m.def("w8a8_rms_norm_quant", &w8a8_rms_norm_quant,
         "RMSNorm (after the residual add) fused with per-token int8 quantization",
         py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("residual") = py::none());
