@@ -34,7 +34,11 @@ _SOURCES = [
     )
 ]
 _HEADERS = [_CSRC / "vec_math.h"]  # included by the sources: part of the build's hash
-_CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+# NOTE: -fno-trapping-math: without it GCC does not if-convert the clamps and the final select
+# of exp_approx (a float multiply it would have to speculate "could trap"), so every
+# `#pragma omp simd` loop calling it stayed scalar (silu 6x, decode attention ~20 % slower).
+# The results are the same; only floating-point exception flags lose their meaning.
+_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-trapping-math"]
 _KEEP_BUILDS = 3  # older builds besides the current one that stay in the cache
 _lock = threading.Lock()
 _module: ModuleType | None = None

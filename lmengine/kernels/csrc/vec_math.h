@@ -11,6 +11,8 @@
 // call): x = n ln2 + r with |r| <= ln2 / 2, a degree-6 polynomial for exp(r) (Cephes'
 // coefficients), then 2^n put into the exponent bits. Within 2 ulp of std::exp over
 // [-87, 88]; 0 below -87.3 (as expf underflows), inf from 88.7 on.
+// Vectorises only with -fno-trapping-math (cpu_ext.py's flags): GCC otherwise keeps the
+// clamps and the select as branches.
 #pragma omp declare simd notinbranch
 inline float exp_approx(float x) {
   x = std::min(std::max(x, -87.3f), 88.7f);
