@@ -6,7 +6,7 @@ a real forward (all of SmolLM2-135M's linears, best of interleaved runs):
 - 1 to 8 rows (single-stream decode, small batches, speculative verification): the compiled
   `gemv` (kernels/csrc/gemv_ops.cpp) streams the weights at ~16-17 GB/s, against ~13-15 GB/s
   for MKL's GEMV at one row and ~9-12 GB/s for oneDNN at 2-8 rows: 13 % faster than MKL at one
-  row, 25-45 % faster than oneDNN at 2-8. On an AMD EPYC Zen 3 (AVX2, session 9), after one
+  row, 25-45 % faster than oneDNN at 2-8. On an AMD EPYC Zen 3 (AVX2, session 10), after one
   row took four accumulators per step: 16-20 GB/s against MKL's 9-11 GB/s (the old two-
   accumulator loop 13-15 GB/s).
 - 9 to ~1k rows: oneDNN on pre-packed weights runs the GEMMs of a 64-token decode step 1.5x

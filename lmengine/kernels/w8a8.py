@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from lmengine.kernels import cpu_ext
-from lmengine.kernels.activation import silu_mul_compiled, silu_mul_compiled_takes
+from lmengine.kernels.activation import silu_mul_compiled_takes
 from lmengine.kernels.rms_norm import compiled_norm_takes, rms_norm_cpu
 
 QMAX = 127
@@ -114,14 +114,10 @@ def rms_norm_quant(
 # ---- SwiGLU product (+ quantization) -------------------------------------------------------------
 
 
-def silu_mul_cpu(
-    gate_up: torch.Tensor, quantize: bool
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
-    """`silu_mul_ref` in one compiled pass (silu within a few ulp of torch's), quantized per
-    token in the same pass when `quantize` ((q, scale) as `per_token_quant`); None where the
-    compiled kernels cannot take it (not float32 CPU rows, or not built)."""
-    if not quantize:
-        return silu_mul_compiled(gate_up)
+def silu_mul_quant_cpu(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`silu_mul_ref` quantized per token ((q, scale) as `per_token_quant`) in one compiled
+    pass (silu within a few ulp of torch's); None where the compiled kernels cannot take it
+    (not float32 CPU rows, or not built). The float product alone is `activation.silu_mul`."""
     if not silu_mul_compiled_takes(gate_up):
         return None
     ops = cpu_ext.load()

@@ -20,7 +20,7 @@ from lmengine.kernels.w8a8 import (
     pack_int8_weight,
     per_token_quant,
     rms_norm_quant,
-    silu_mul_cpu,
+    silu_mul_quant_cpu,
     w8a8_linear_cpu,
 )
 from lmengine.models.llama import PatchedLlamaMLP, PatchedRMSNorm
@@ -155,7 +155,7 @@ class W8A8LlamaMLP(PatchedLlamaMLP):
     def forward(self, x: torch.Tensor | QuantizedActivation) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate] float
         if self.down_proj.takes_quantized_input and self.fuses_silu_mul(gate_up):
-            quantized = silu_mul_cpu(gate_up, quantize=True)
+            quantized = silu_mul_quant_cpu(gate_up)
             if quantized is not None:
                 return self.down_proj(QuantizedActivation(*quantized, gate_up.dtype))
         # else the float product: a row-parallel down projection quantizes it with its agreed

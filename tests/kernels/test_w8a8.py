@@ -370,17 +370,17 @@ def test_linear_on_quantized_operands_tracks_float():
 def test_silu_mul_compiled_against_reference(rows):
     """silu(gate) * up in one compiled pass: float output within a few ulp of torch's, the
     quantized output within one int8 step; a column-sliced (strided) gate_up works."""
-    from lmengine.kernels.activation import silu_mul_ref
-    from lmengine.kernels.w8a8 import silu_mul_cpu
+    from lmengine.kernels.activation import silu_mul_compiled, silu_mul_ref
+    from lmengine.kernels.w8a8 import silu_mul_quant_cpu
 
     gen = torch.Generator().manual_seed(rows)
     wide = torch.randn(rows, 2 * 1536 + 8, generator=gen) * 4.0
     wide[0, :3] = torch.tensor([-100.0, 100.0, 0.0])  # saturated exp, both ways
     gate_up = wide[:, 8:]  # rows contiguous, not the whole tensor
     ref = silu_mul_ref(gate_up)
-    act = silu_mul_cpu(gate_up, quantize=False)
+    act = silu_mul_compiled(gate_up)
     assert act is not None, "the compiled CPU kernels did not build"
     torch.testing.assert_close(act, ref, rtol=1e-6, atol=1e-6)
-    q, scale = silu_mul_cpu(gate_up, quantize=True)
+    q, scale = silu_mul_quant_cpu(gate_up)
     q_ref, scale_ref = per_token_quant_ref(ref)
     _assert_norm_quant_close(q, scale, q_ref, scale_ref, rtol=1e-6)
