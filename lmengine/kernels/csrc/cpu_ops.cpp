@@ -434,7 +434,7 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   auto out = at::empty({m}, x.options().dtype(at::kLong));
   const float* xp = x.data_ptr<float>();
   int64_t* op = out.data_ptr<int64_t>();
-  at::parallel_for(0, m, std::max<int64_t>(1, 65536 / n), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, m, rows_per_task(n, 65536), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* row = xp + r * n;
       float best = -std::numeric_limits<float>::infinity();

@@ -84,7 +84,7 @@ at::Tensor rotary_fill_kv(const at::Tensor& q, const at::Tensor& k, const at::Te
   const int64_t row = kv_heads * dim;  // one slot of a cache
   // ~64K floats per task: a decode batch (tens of tokens, a few microseconds of work) stays
   // on one thread, without a fork / join that costs more than the work on a busy machine
-  const int64_t grain = std::max<int64_t>(1, 65536 / ((heads + 2 * kv_heads) * dim));
+  const int64_t grain = rows_per_task((heads + 2 * kv_heads) * dim, 65536);
   // The slots are scattered over a pool far larger than the caches: each written line is a
   // miss, and stores that miss barely overlap. Claiming the lines of the token kLookahead
   // ahead overlaps them: 64 decode tokens into a cold 776-block pool, 122 -> 100 us per call

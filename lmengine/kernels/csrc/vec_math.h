@@ -1,11 +1,18 @@
-// Vectorisable math shared by the compiled CPU kernels (cpu_ops.cpp, w8a8_ops.cpp,
-// layer_ops.cpp).
+// Vectorisable math and row helpers shared by the compiled CPU kernels (cpu_ops.cpp,
+// w8a8_ops.cpp, layer_ops.cpp, rotary_ops.cpp).
 #pragma once
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+
+// Rows per at::parallel_for task for rows of `row_elems` elements: about `elems_per_task`
+// elements each, so a decode step's few rows stay on one thread (no fork / join, which costs
+// more than the work on a busy machine).
+inline int64_t rows_per_task(int64_t row_elems, int64_t elems_per_task) {
+  return std::max<int64_t>(1, elems_per_task / std::max<int64_t>(1, row_elems));
+}
 
 // exp(x) written so that a `#pragma omp simd` loop vectorises it (std::exp is a scalar libm
 // call): x = n ln2 + r with |r| <= ln2 / 2, a degree-6 polynomial for exp(r) (Cephes'

@@ -119,10 +119,8 @@ at::Tensor packed_int8_mm(const at::Tensor& q, const at::Tensor& packed, int64_t
   return stack[0].toTensor();
 }
 
-int64_t grain(int64_t row_elems) {
-  // rows per task: about 32K elements, so small batches stay on one thread
-  return std::max<int64_t>(1, 32768 / std::max<int64_t>(1, row_elems));
-}
+// rows per task of the quantize / dequantize passes: about 32K elements
+int64_t grain(int64_t row_elems) { return rows_per_task(row_elems, 32768); }
 
 }  // namespace
 
@@ -232,6 +230,10 @@ c10::optional<at::Tensor> w8a8_pack(const at::Tensor& w) {
   return packed;
 }
 
+at::Tensor checked_norm_residual(const char* op, const at::Tensor& x, const at::Tensor& weight,
+                                 const c10::optional<at::Tensor>& residual);  // layer_ops.cpp
+void check_gate_up(const char* op, const at::Tensor& gate_up);                 // layer_ops.cpp
+
 // RMSNorm (of residual + x when residual is given) fused with per-token quantization, one pass
 // over each row. x, residual: [M, K] float32, weight: [K] float32 -> (q [M, K] int8,
 // scale [M, 1] float32, residual + x [M, K] or an undefined tensor). The sum of squares is
@@ -240,18 +242,10 @@ c10::optional<at::Tensor> w8a8_pack(const at::Tensor& w) {
 std::tuple<at::Tensor, at::Tensor, at::Tensor> w8a8_rms_norm_quant(
     const at::Tensor& x, const at::Tensor& weight, double eps,
     const c10::optional<at::Tensor>& residual) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
-              "w8a8_rms_norm_quant: x must be contiguous [M, K] float32");
+  TORCH_CHECK(x.dim() == 2, "w8a8_rms_norm_quant: x must be [M, K]");
+  const at::Tensor res = checked_norm_residual("w8a8_rms_norm_quant", x, weight, residual);
   const int64_t m = x.size(0), k = x.size(1);
-  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.numel() == k && weight.is_contiguous(),
-              "w8a8_rms_norm_quant: weight must be contiguous [K] float32");
-  at::Tensor res, summed;
-  if (residual.has_value() && residual->defined()) {
-    res = *residual;
-    TORCH_CHECK(res.sizes() == x.sizes() && res.scalar_type() == at::kFloat && res.is_contiguous(),
-                "w8a8_rms_norm_quant: residual must be contiguous float32 like x");
-    summed = at::empty_like(x);
-  }
+  const at::Tensor summed = res.defined() ? at::empty_like(x) : at::Tensor();
   auto q = at::empty({m, k}, x.options().dtype(at::kChar));
   auto scale = at::empty({m, 1}, x.options());
   const float* xp = x.data_ptr<float>();
@@ -260,9 +254,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> w8a8_rms_norm_quant(
   const float* wp = weight.data_ptr<float>();
   int8_t* qp = q.data_ptr<int8_t>();
   float* scp = scale.data_ptr<float>();
-  // cheap per row: small batches stay on one thread (no fork / join)
-  at::parallel_for(0, m, std::max<int64_t>(1, 131072 / std::max<int64_t>(1, k)),
-                   [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, m, rows_per_task(k, 131072), [&](int64_t begin, int64_t end) {
     std::vector<float> buf(k);
     for (int64_t i = begin; i < end; ++i) {
       norm_quant_row(xp + i * k, rp ? rp + i * k : nullptr, sp ? sp + i * k : nullptr, wp,
@@ -277,15 +269,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> w8a8_rms_norm_quant(
 // gate_up: [M, 2 * I] float32, rows contiguous (gate = columns 0..I-1, up = I..2I-1) ->
 // (q [M, I] int8, scale [M, 1]). The float product alone is layer_ops.cpp's silu_mul.
 std::tuple<at::Tensor, at::Tensor> w8a8_silu_mul(const at::Tensor& gate_up) {
-  TORCH_CHECK(gate_up.dim() == 2 && gate_up.scalar_type() == at::kFloat &&
-                  gate_up.stride(1) == 1 && gate_up.size(1) % 2 == 0,
-              "w8a8_silu_mul: gate_up must be [M, 2 * I] float32 with contiguous rows");
+  check_gate_up("w8a8_silu_mul", gate_up);
   const int64_t m = gate_up.size(0), inter = gate_up.size(1) / 2, ld = gate_up.stride(0);
   at::Tensor out = at::empty({m, inter}, gate_up.options().dtype(at::kChar));
   at::Tensor scale = at::empty({m, 1}, gate_up.options());
   const float* gp = gate_up.data_ptr<float>();
-  at::parallel_for(0, m, std::max<int64_t>(1, 65536 / std::max<int64_t>(1, inter)),
-                   [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, m, rows_per_task(inter, 65536), [&](int64_t begin, int64_t end) {
     std::vector<float> buf(inter);
     for (int64_t r = begin; r < end; ++r) {
       silu_mul_row(gp + r * ld, gp + r * ld + inter, buf.data(), inter);
