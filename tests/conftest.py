@@ -4,6 +4,7 @@ every engine in the tests loads through the real loading code."""
 from __future__ import annotations
 
 import os
+import zlib
 
 import pytest
 import torch
@@ -24,6 +25,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _seed_global_rng(request):
+    """Each test draws its unseeded random data from the same seed whatever ran before it, so
+    a test that passes alone passes in the suite and a failure replays. LMENGINE_TEST_SEED
+    shifts every seed, to hunt tolerances that only hold for lucky data."""
+    shift = int(os.environ.get("LMENGINE_TEST_SEED", "0"))
+    torch.manual_seed(zlib.crc32(request.node.nodeid.encode()) + shift)
 
 
 @pytest.fixture(scope="session")
