@@ -1,106 +1,44 @@
 """The `lmengine` command: generate, chat, bench, serve, quantize.
 
 Engine and generation flags are generated from the `EngineConfig` and `GenerationConfig`
-dataclasses (help text from their field comments), so the flags and the configs never drift.
+dataclasses (`lmengine/flags.py`). Flags are never abbreviated, and a flag naming a missing
+or unreadable file is one line on stderr and exit status 2, checked before any model loads.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import inspect
 import json
-import re
 import sys
 import time
 from pathlib import Path
 
 from lmengine.config import EngineConfig, GenerationConfig
+from lmengine.flags import (
+    FlagError,
+    add_dataclass_flags,
+    add_model_flags,
+    build_dataclass,
+    check_path_flags,
+    model_load_errors,
+    one_line,
+)
+
+__all__ = ["add_dataclass_flags", "build_dataclass", "build_parser", "main"]
 
 _GEN_DEFAULTS = {"max_new_tokens": 256}  # the CLI's own default, shorter than the API's
-
-
-def _field_help(cls) -> dict[str, str]:
-    """`name: type = default  # help` comments of a dataclass, by field name."""
-    helps = {}
-    for line in inspect.getsource(cls).splitlines():
-        m = re.match(r"\s+(\w+):[^#]*=[^#]*#\s*(.+)$", line)
-        if m:
-            helps[m.group(1)] = m.group(2).strip()
-    return helps
-
-
-def _parse_mapping(items: list[str]) -> dict[str, str]:
-    out = {}
-    for item in items:
-        name, sep, value = item.partition("=")
-        if not sep:
-            raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {item!r}")
-        out[name] = value
-    return out
-
-
-def add_dataclass_flags(parser: argparse.ArgumentParser, cls, title: str, defaults=None) -> None:
-    """One flag per dataclass field, `--field-name`, typed from the annotation."""
-    group = parser.add_argument_group(title)
-    helps = _field_help(cls)
-    defaults = defaults or {}
-    for f in dataclasses.fields(cls):
-        flag = "--" + f.name.replace("_", "-")
-        ann = str(f.type)
-        default = defaults.get(f.name, f.default)
-        if default is dataclasses.MISSING:  # a default_factory field
-            default = f.default_factory()
-        text = helps.get(f.name, "")
-        text = f"{text} (default: {default})" if text else f"default: {default}"
-        kwargs = dict(dest=f"{cls.__name__}.{f.name}", default=None, help=text)
-        if ann.startswith("bool"):
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, **kwargs)
-        elif ann.startswith("list[int]"):
-            group.add_argument(flag, nargs="+", type=int, metavar="ID", **kwargs)
-        elif ann.startswith("list[str]"):
-            group.add_argument(flag, nargs="+", metavar="TEXT", **kwargs)
-        elif ann.startswith("dict"):
-            group.add_argument(flag, nargs="+", metavar="NAME=PATH", **kwargs)
-        elif ann.startswith("int"):
-            group.add_argument(flag, type=int, **kwargs)
-        elif ann.startswith("float"):
-            group.add_argument(flag, type=float, **kwargs)
-        else:
-            group.add_argument(flag, type=str, **kwargs)
-
-
-def build_dataclass(cls, args: argparse.Namespace, defaults=None):
-    """The dataclass from parsed flags; unset flags keep the dataclass (or given) defaults."""
-    values = dict(defaults or {})
-    prefix = cls.__name__ + "."
-    for key, value in vars(args).items():
-        if key.startswith(prefix) and value is not None:
-            name = key[len(prefix) :]
-            if isinstance(value, list) and str(
-                next(f.type for f in dataclasses.fields(cls) if f.name == name)
-            ).startswith("dict"):
-                value = _parse_mapping(value)
-            values[name] = value
-    return cls(**values)
-
-
-def _add_model_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--model",
-        default=None,
-        help="checkpoint folder, hub id or .gguf file (default: SmolLM2-135M-Instruct)",
-    )
-    add_dataclass_flags(p, EngineConfig, "engine options")
 
 
 def _read_prompts(args) -> list[str]:
     prompts = list(args.prompts)
     if args.prompt_file:
-        lines = Path(args.prompt_file).read_text(encoding="utf-8").splitlines()
+        try:
+            lines = Path(args.prompt_file).read_text(encoding="utf-8").splitlines()
+        except UnicodeDecodeError:
+            raise FlagError(f"--prompt-file: not UTF-8 text: {args.prompt_file}") from None
         prompts += [line for line in lines if line.strip()]
     if not prompts:
-        raise SystemExit("lmengine generate: give prompts as arguments or --prompt-file FILE")
+        raise FlagError("give prompts as arguments or --prompt-file FILE")
     return prompts
 
 
@@ -111,7 +49,9 @@ def cmd_generate(args) -> int:
     engine_config = build_dataclass(EngineConfig, args)
     gen_config = build_dataclass(GenerationConfig, args, _GEN_DEFAULTS)
     t0 = time.perf_counter()
-    with pipeline(args.model, engine_config, apply_chat_template=not args.no_chat_template) as pipe:
+    with model_load_errors(args.model, engine_config):
+        pipe = pipeline(args.model, engine_config, apply_chat_template=not args.no_chat_template)
+    with pipe:
         load_s = time.perf_counter() - t0
         t1 = time.perf_counter()
         outs = pipe(
@@ -171,7 +111,9 @@ def cmd_chat(args) -> int:
     if args.system:
         history.append({"role": "system", "content": args.system})
     interactive = sys.stdin.isatty()
-    with pipeline(args.model, engine_config) as pipe:
+    with model_load_errors(args.model, engine_config):
+        pipe = pipeline(args.model, engine_config)
+    with pipe:
         if interactive:
             print("lmengine chat: type a message; '/reset' clears the history, '/exit' quits.")
         while True:
@@ -215,9 +157,8 @@ def cmd_bench(args) -> int:
 def cmd_quantize(args) -> int:
     from lmengine.quant.w8a8 import quantize_checkpoint
 
-    if args.calib_file and not Path(args.calib_file).is_file():
-        raise ValueError(f"--calib-file {args.calib_file}: no such file")
     t0 = time.perf_counter()
+    # NOTE: not under model_load_errors: an OSError may come from writing --out as well
     out = quantize_checkpoint(
         args.model,
         args.out,
@@ -234,7 +175,9 @@ def cmd_quantize(args) -> int:
 
 
 def _add_quantize_parser(sub) -> None:
-    quant = sub.add_parser("quantize", help="quantize a checkpoint (w8a8 SmoothQuant)")
+    quant = sub.add_parser(
+        "quantize", help="quantize a checkpoint (w8a8 SmoothQuant)", allow_abbrev=False
+    )
     quant.add_argument("method", choices=["w8a8"], help="quantization method")
     quant.add_argument(
         "model", nargs="?", default=None, help="checkpoint folder, hub id or .gguf (default model)"
@@ -265,11 +208,15 @@ def _add_quantize_parser(sub) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="lmengine", description="lmengine: LLM inference on PyTorch and transformers"
+        prog="lmengine",
+        description="lmengine: LLM inference on PyTorch and transformers",
+        allow_abbrev=False,
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    gen = sub.add_parser("generate", help="offline batch generation over prompts")
+    gen = sub.add_parser(
+        "generate", help="offline batch generation over prompts", allow_abbrev=False
+    )
     gen.add_argument("prompts", nargs="*", help="prompts (each one user turn of the chat)")
     gen.add_argument("--prompt-file", help="a file with one prompt per line")
     gen.add_argument("--jsonl", help="also write one JSON object per prompt to this file")
@@ -278,18 +225,20 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--no-chat-template", action="store_true", help="send prompts raw, without the template"
     )
-    _add_model_flags(gen)
+    add_model_flags(gen)
     add_dataclass_flags(gen, GenerationConfig, "generation options", _GEN_DEFAULTS)
     gen.set_defaults(func=cmd_generate)
 
-    chat = sub.add_parser("chat", help="interactive multi-turn chat, streaming")
+    chat = sub.add_parser("chat", help="interactive multi-turn chat, streaming", allow_abbrev=False)
     chat.add_argument("--system", help="a system prompt")
-    _add_model_flags(chat)
+    add_model_flags(chat)
     add_dataclass_flags(chat, GenerationConfig, "generation options", _GEN_DEFAULTS)
     chat.set_defaults(func=cmd_chat)
 
     bench = sub.add_parser(
-        "bench", help="throughput against transformers, in one run (benchmarks/throughput.py)"
+        "bench",
+        help="throughput against transformers, in one run (benchmarks/throughput.py)",
+        allow_abbrev=False,
     )
     from lmengine.bench import add_bench_flags
 
@@ -299,18 +248,31 @@ def build_parser() -> argparse.ArgumentParser:
 
     from lmengine.serve.server import add_serve_flags, cmd_serve
 
-    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (lmengine/serve)")
+    serve = sub.add_parser(
+        "serve", help="OpenAI-compatible HTTP server (lmengine/serve)", allow_abbrev=False
+    )
     add_serve_flags(serve)
     serve.set_defaults(func=cmd_serve)
     return parser
 
 
+def _command_parser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return action.choices[command]
+    raise KeyError(command)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """Run one `lmengine` command; bad flags are one line on stderr and exit status 2."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    command = _command_parser(parser, args.command)
     try:
+        check_path_flags(command, args)  # NOTE: before anything loads: fail fast
         return args.func(args)
-    except ValueError as e:  # bad flag values: one clear line, not a traceback
-        print(f"lmengine {args.command}: error: {e}", file=sys.stderr)
+    except (ValueError, OSError) as e:  # bad flag values and paths: one line, no traceback
+        print(f"{command.prog}: error: {one_line(e)}", file=sys.stderr)
         return 2
 
 

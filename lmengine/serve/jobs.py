@@ -16,46 +16,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from lmengine.config import GenerationConfig
-from lmengine.engine.request import STEP_FAILED, AddRequest, CancelRequest, Response
+from lmengine.engine.request import AddRequest, CancelRequest, Response
+from lmengine.serve.errors import APIError, engine_error
 from lmengine.serve.metrics import ServerMetrics
-
-ENGINE_GONE = ("engine closed", "engine loop died")
-
-
-class APIError(Exception):
-    """An error answer with OpenAI's body: {"error": {message, type, param, code}}."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        type_: str = "invalid_request_error",
-        code: str | None = None,
-        param: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.code = status, message, type_, code
-        self.param, self.headers = param, headers
-
-    def body(self) -> dict:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.type,
-                "param": self.param,
-                "code": self.code if self.code is not None else self.status,
-            }
-        }
-
-
-def engine_error(message: str) -> APIError:
-    """The HTTP error for a request the engine refused before generating anything."""
-    if message.startswith(ENGINE_GONE):
-        return APIError(503, message, "service_unavailable", "engine_unavailable")
-    if message.startswith(STEP_FAILED):
-        return APIError(500, message, "server_error")
-    return APIError(400, message)
 
 
 class ResponseRouter:
@@ -63,6 +26,7 @@ class ResponseRouter:
 
     The engine puts one Response or one list of Responses per step from its thread; the
     router moves them to the event loop in one hand-off and dispatches them by session id.
+    It never reads a response; a response for no known job (already finished) is dropped.
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -85,7 +49,8 @@ class ResponseRouter:
 
 @dataclass
 class Choice:
-    """One engine request of a job."""
+    """One engine request of a job: its prompt, config and first and last responses.
+    Plain data; only its Job updates it."""
 
     session_id: int
     input_ids: list[int]
@@ -97,7 +62,11 @@ class Choice:
 
 
 class Job:
-    """The engine requests of one HTTP request, and the stream of their responses."""
+    """The engine requests of one HTTP request, and the stream of their responses.
+
+    Owns its choices, their response queue and their server metrics; it submits and cancels
+    through the engine's RequestManager only and never formats an answer (the routes do).
+    """
 
     def __init__(
         self,

@@ -1,6 +1,6 @@
 """`lmengine serve MODEL`: flags and the uvicorn process around `build_app`.
 
-Engine flags come from `EngineConfig` through the CLI's flag generator (one flag per field);
+Engine flags come from `EngineConfig` through `lmengine.flags` (one flag per field);
 the server adds its own (host, port, keys, limits, template). SIGTERM shuts down gracefully:
 uvicorn stops accepting, running requests get `--grace-period` seconds to finish, the rest
 are cancelled, the engine is closed and the process exits 0.
@@ -14,14 +14,14 @@ import os
 import signal
 import sys
 
+from lmengine.flags import add_model_flags, build_dataclass, model_load_errors
+
 
 def add_serve_flags(parser: argparse.ArgumentParser) -> None:
-    from lmengine.cli import _add_model_flags
-
     parser.add_argument(
         "model_path", nargs="?", default=None, help="the model (same as --model)", metavar="MODEL"
     )
-    _add_model_flags(parser)
+    add_model_flags(parser)
     g = parser.add_argument_group("server options")
     g.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     g.add_argument("--port", type=int, default=23333, help="port (default: 23333)")
@@ -76,7 +76,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
             "lmengine serve needs the serve extra: pip install 'lmengine[serve]'", file=sys.stderr
         )
         return 2
-    from lmengine.cli import build_dataclass
     from lmengine.config import EngineConfig
     from lmengine.engine.engine import Engine
     from lmengine.serve.app import ServerSettings, build_app
@@ -99,7 +98,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         chat_template=template,
         qos_enabled=engine_config.qos_config_path is not None,
     )
-    engine = Engine.from_pretrained(model, engine_config)
+    with model_load_errors(model, engine_config):
+        engine = Engine.from_pretrained(model, engine_config)
     app = build_app(engine, settings)
     config = uvicorn.Config(
         app,
@@ -110,7 +110,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         access_log=False,
     )
     server = _Server(config)
-    app.state.server.is_shutting_down = lambda: server.should_exit
+    app.state.client.is_shutting_down = lambda: server.should_exit
     logging.getLogger("lmengine").info("serving %s on %s:%d", model, args.host, args.port)
     print(
         f"lmengine serve: http://{args.host}:{args.port} (model {settings.model_name})", flush=True

@@ -1,0 +1,27 @@
+"""API keys: the dependency that guards every route but the health checks."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from fastapi import Request
+
+from lmengine.serve.errors import APIError
+
+
+def api_key_check(api_keys: list[str]) -> Callable[[Request], None]:
+    """A FastAPI dependency accepting `Authorization: Bearer KEY` for a KEY in `api_keys`
+    (anything when the list is empty) and answering 401 otherwise."""
+    keys = frozenset(api_keys)
+
+    def check_key(request: Request) -> None:
+        if not keys:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, key = header.partition(" ")
+        if scheme.lower() != "bearer" or key.strip() not in keys:
+            raise APIError(
+                401, "invalid or missing API key", "invalid_request_error", "invalid_api_key"
+            )
+
+    return check_key

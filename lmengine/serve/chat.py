@@ -1,0 +1,101 @@
+"""POST /v1/chat/completions (and LMDeploy's /v1/chat/completions_qos): messages through the
+chat template (the tokenizer's or `--chat-template`), `n` choices in one Job, OpenAI's
+`chat.completion` answer, whole or streamed, with chat logprobs."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from lmengine.serve.client import EngineClient
+from lmengine.serve.convert import gen_configs, text_of
+from lmengine.serve.jobs import Job
+from lmengine.serve.logprobs import chat_logprobs
+from lmengine.serve.protocol import ChatCompletionRequest
+from lmengine.serve.streaming import ChunkShape, finish_reason, run_job, stream_choices, wants_usage
+
+
+async def create_chat_completion(
+    client: EngineClient, body: ChatCompletionRequest, request: Request, endpoint: str
+) -> dict | StreamingResponse:
+    """Apply the template, submit one engine request per choice, and answer."""
+    adapter = client.adapter_for(body.model)
+    messages = [{"role": m.role, "content": text_of(m)} for m in body.messages]
+    ids = client.encode_chat(messages, body.add_generation_prompt)
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    num_top = body.top_logprobs or 0
+    logprobs = num_top if body.logprobs else None
+    configs = gen_configs(body, 1, max_tokens, logprobs, client.session_len)
+    if max_tokens is None:  # NOTE: no limit asked: up to the end of the context
+        for cfg in configs:
+            cfg.max_new_tokens = max(1, client.session_len - len(ids))
+            cfg.min_new_tokens = min(cfg.min_new_tokens, cfg.max_new_tokens)
+    job = client.new_job(endpoint)
+    client.check_queue(len(configs))
+    job.submit([ids] * body.n, configs, adapter, body.priority, body.user_id or body.user)
+    return await run_job(
+        job,
+        request,
+        body.stream,
+        lambda: _whole(client, job, body, num_top),
+        lambda: _stream(client, job, body, num_top),
+    )
+
+
+def _whole(client: EngineClient, job: Job, body: ChatCompletionRequest, num_top: int) -> dict:
+    choices = []
+    for i, c in enumerate(job.choices):
+        resp = c.final
+        logprobs = None
+        if body.logprobs:
+            logprobs = {"content": chat_logprobs(resp, 0, num_top, client.token_text)}
+        choices.append(
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": resp.text or ""},
+                "logprobs": logprobs,
+                "finish_reason": finish_reason(resp),
+            }
+        )
+    return {
+        "id": f"chatcmpl-{uuid.uuid4().hex}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": client.model_name(body),
+        "choices": choices,
+        "usage": client.usage(job, body.n),
+    }
+
+
+def _stream(
+    client: EngineClient, job: Job, body: ChatCompletionRequest, num_top: int
+) -> AsyncIterator[str]:
+    shape = ChunkShape(
+        f"chatcmpl-{uuid.uuid4().hex}", "chat.completion.chunk", client.model_name(body)
+    )
+    opening = [
+        shape.chunk(
+            i, delta={"role": "assistant", "content": ""}, logprobs=None, finish_reason=None
+        )
+        for i in range(len(job.choices))
+    ]
+
+    def make_chunk(i: int, resp, delta: str, start: int) -> dict | None:
+        logprobs = None
+        if body.logprobs:
+            logprobs = {"content": chat_logprobs(resp, start, num_top, client.token_text)}
+        if not (delta or resp.finish_reason or (logprobs and logprobs["content"])):
+            return None
+        return shape.chunk(
+            i,
+            delta={"content": delta} if delta else {},
+            logprobs=logprobs,
+            finish_reason=finish_reason(resp),
+        )
+
+    usage = (lambda: client.usage(job, body.n)) if wants_usage(body) else None
+    return stream_choices(job, shape, opening, make_chunk, usage)

@@ -1,0 +1,115 @@
+"""The one engine client every router shares: the engine, the settings, the response router,
+the metrics, the interactive sessions, and the helpers that turn text into token ids and
+admit a request (adapter lookup, queue limit, shutdown)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from lmengine.engine.request import Response
+from lmengine.serve.errors import APIError
+from lmengine.serve.jobs import Job, ResponseRouter
+from lmengine.serve.logprobs import TokenTexts
+from lmengine.serve.metrics import ServerMetrics
+from lmengine.serve.settings import ServerSettings
+
+
+class EngineClient:
+    """What the routes share: one Engine (started by the caller, closed at app shutdown), its
+    tokenizer, the server metrics and the chat sessions of the interactive QoS endpoint.
+
+    It admits requests and builds their `Job`s; it never touches the scheduler or the model
+    (the engine thread owns those) and holds no per-request state besides the sessions.
+    """
+
+    def __init__(self, engine, settings: ServerSettings) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.tokenizer = engine.tokenizer
+        self.session_len: int = engine.session_len
+        self.metrics = ServerMetrics()
+        self.router: ResponseRouter | None = None  # built on the event loop at startup
+        self.sessions: dict[int, dict] = {}  # interactive session id -> history
+        self.created = int(time.time())
+        self.is_shutting_down: Callable[[], bool] = lambda: False
+        self.token_text = TokenTexts(self.tokenizer)
+
+    # ---- models -------------------------------------------------------------------------------
+    def adapter_names(self) -> list[str]:
+        """The LoRA adapters the engine serves now (added and removed ones included)."""
+        return list(self.engine.adapter_names)
+
+    def adapter_for(self, model: str | None) -> str | None:
+        """The adapter a `model` field names (None: the base model); 404 when unknown."""
+        if model is None or model == self.settings.model_name:
+            return None
+        if model in self.adapter_names():
+            return model
+        raise APIError(
+            404, f"the model {model!r} does not exist", "invalid_request_error", "model_not_found"
+        )
+
+    # ---- text -> token ids --------------------------------------------------------------------
+    def encode_text(self, text: str) -> list[int]:
+        return list(self.tokenizer(text)["input_ids"])
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        template = self.settings.chat_template
+        if template is None and getattr(self.tokenizer, "chat_template", None) is None:
+            raise APIError(400, "this model has no chat template: use /v1/completions")
+        try:
+            ids = self.tokenizer.apply_chat_template(
+                messages,
+                chat_template=template,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=True,
+                return_dict=False,
+            )
+        except Exception as e:  # a template that refuses these messages (roles, order)
+            raise APIError(400, f"chat template failed on these messages: {e}") from None
+        return list(ids)
+
+    # ---- admission ----------------------------------------------------------------------------
+    def new_job(self, endpoint: str) -> Job:
+        """An empty Job for one HTTP request; 503 when shutting down or the engine is gone."""
+        if self.is_shutting_down():
+            raise APIError(503, "the server is shutting down", "service_unavailable")
+        if not self.engine.is_alive:
+            raise APIError(503, "the engine is not running", "service_unavailable")
+        return Job(
+            self.engine,
+            self.router,
+            self.metrics,
+            endpoint,
+            self.settings.request_timeout or None,
+        )
+
+    def check_queue(self, num_choices: int) -> None:
+        """429 with Retry-After when `num_choices` more would pass `--max-queued-requests`."""
+        limit = self.settings.max_queued_requests
+        if limit and self.metrics.num_queued + num_choices > limit:
+            raise APIError(
+                429,
+                f"too many queued requests ({self.metrics.num_queued} waiting, limit {limit})",
+                "rate_limit_exceeded",
+                "too_many_requests",
+                headers={"Retry-After": "1"},
+            )
+
+    # ---- answers ------------------------------------------------------------------------------
+    def model_name(self, body) -> str:
+        """The `model` of an answer: the one asked for, else the served name."""
+        return body.model or self.settings.model_name
+
+    @staticmethod
+    def usage(job: Job, n: int) -> dict:
+        """Prompt tokens counted once per prompt (choices i * n), as OpenAI does."""
+        finals = [c.final or Response() for c in job.choices]
+        prompt = sum(r.input_token_len for r in finals[::n])
+        completion = sum(r.generate_token_len for r in finals)
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+        }

@@ -1,0 +1,97 @@
+"""Request bodies -> engine inputs: chat message text, stop strings and one GenerationConfig
+per choice. Every bad value becomes an `APIError(400)` naming it; nothing here talks to the
+engine."""
+
+from __future__ import annotations
+
+from lmengine.config import GenerationConfig
+from lmengine.serve.errors import APIError
+from lmengine.serve.protocol import MAX_STOP_WORDS, ChatMessage, InteractiveRequestQos
+
+
+def text_of(message: ChatMessage) -> str:
+    """The text of a chat message (its text parts joined)."""
+    if message.content is None:
+        return ""
+    if isinstance(message.content, str):
+        return message.content
+    return "".join(part.text for part in message.content)
+
+
+def stop_words(stop: str | list[str] | None) -> list[str] | None:
+    """OpenAI's `stop` (a string or a list) as the engine's list; None when empty."""
+    words = [stop] if isinstance(stop, str) else list(stop or [])
+    words = [w for w in words if w]
+    if len(words) > MAX_STOP_WORDS:
+        raise APIError(
+            400, f"at most {MAX_STOP_WORDS} stop strings, got {len(words)}", param="stop"
+        )
+    return words or None
+
+
+def gen_configs(
+    body, num_prompts: int, max_tokens: int | None, logprobs: int | None, session_len: int
+) -> list[GenerationConfig]:
+    """One GenerationConfig per choice (prompt-major: prompt i, choice j -> i * n + j)."""
+    if max_tokens is not None and max_tokens > session_len:
+        raise APIError(
+            400,
+            f"max_tokens={max_tokens} exceeds the model's context length of {session_len} tokens",
+            param="max_tokens",
+        )
+    beam = {}
+    if body.num_beams > 1:  # NOTE: one beam search per choice would repeat the same search
+        if body.n > 1:
+            raise APIError(400, "num_beams > 1 needs n == 1", param="n")
+        beam = dict(
+            num_beams=body.num_beams,
+            length_penalty=body.length_penalty,
+            early_stopping=body.early_stopping,
+        )
+    configs = []
+    for _ in range(num_prompts):
+        for j in range(body.n):
+            seed = body.seed
+            if seed is not None:
+                seed = (seed + j) % 2**63  # NOTE: n choices with one seed must still differ
+            try:
+                cfg = GenerationConfig(
+                    max_new_tokens=max_tokens or session_len,
+                    min_new_tokens=body.min_tokens,
+                    do_sample=body.temperature > 0 and not beam,
+                    temperature=body.temperature if body.temperature > 0 else 1.0,
+                    top_k=max(body.top_k, 0),
+                    top_p=body.top_p,
+                    repetition_penalty=body.repetition_penalty,
+                    presence_penalty=body.presence_penalty,
+                    frequency_penalty=body.frequency_penalty,
+                    stop_words=stop_words(body.stop),
+                    stop_token_ids=body.stop_token_ids,
+                    ignore_eos=body.ignore_eos,
+                    random_seed=seed,
+                    logprobs=logprobs,
+                    skip_special_tokens=body.skip_special_tokens,
+                    **beam,
+                )
+            except ValueError as e:
+                raise APIError(400, str(e)) from None
+            configs.append(cfg)
+    return configs
+
+
+def interactive_gen_config(body: InteractiveRequestQos, max_tokens: int) -> GenerationConfig:
+    """The GenerationConfig of one interactive QoS turn (LMDeploy's field names)."""
+    try:
+        return GenerationConfig(
+            max_new_tokens=max_tokens,
+            do_sample=body.temperature > 0,
+            temperature=body.temperature if body.temperature > 0 else 1.0,
+            top_k=max(body.top_k, 0),
+            top_p=body.top_p,
+            repetition_penalty=body.repetition_penalty,
+            ignore_eos=body.ignore_eos,
+            random_seed=body.seed,
+            stop_words=stop_words(body.stop),
+        )
+    except ValueError as e:
+        raise APIError(400, str(e)) from None

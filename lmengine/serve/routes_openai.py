@@ -1,0 +1,45 @@
+"""The OpenAI router: GET /v1/models, POST /v1/completions, POST /v1/chat/completions."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends, Request
+
+from lmengine.serve.auth import api_key_check
+from lmengine.serve.chat import create_chat_completion
+from lmengine.serve.client import EngineClient
+from lmengine.serve.completions import create_completion
+from lmengine.serve.protocol import ChatCompletionRequest, CompletionRequest
+
+
+def openai_router(client: EngineClient) -> APIRouter:
+    """OpenAI's model list and (chat) completions over `client`, behind the API keys."""
+    router = APIRouter(dependencies=[Depends(api_key_check(client.settings.api_keys))])
+    name = client.settings.model_name
+
+    @router.get("/v1/models")
+    async def models():
+        base = {
+            "id": name,
+            "object": "model",
+            "created": client.created,
+            "owned_by": "lmengine",
+            "root": name,
+            "parent": None,
+            "max_model_len": client.session_len,
+        }
+        # NOTE: read at request time: adapters added or removed while serving show up here
+        adapters = [
+            {**base, "id": adapter, "root": adapter, "parent": name}
+            for adapter in client.adapter_names()
+        ]
+        return {"object": "list", "data": [base, *adapters]}
+
+    @router.post("/v1/completions")
+    async def v1_completions(body: CompletionRequest, request: Request):
+        return await create_completion(client, body, request, "completions")
+
+    @router.post("/v1/chat/completions")
+    async def v1_chat_completions(body: ChatCompletionRequest, request: Request):
+        return await create_chat_completion(client, body, request, "chat_completions")
+
+    return router

@@ -1,0 +1,20 @@
+"""What the HTTP layer adds to the engine: one `ServerSettings`, filled from the flags."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ServerSettings:
+    """What the HTTP layer adds to the engine (each one a `lmengine serve` flag).
+
+    Plain values read by the routes; it never holds the engine or any request state.
+    """
+
+    model_name: str  # the id clients put in `model`
+    api_keys: list[str] = field(default_factory=list)  # empty: no key needed
+    max_queued_requests: int = 0  # choices waiting for their first token; 0: no limit
+    request_timeout: float = 0.0  # seconds; 0: none
+    chat_template: str | None = None  # Jinja source replacing the tokenizer's template
+    qos_enabled: bool = False
