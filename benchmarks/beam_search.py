@@ -54,7 +54,8 @@ def run_lmengine(engine: Engine, prompts: list[list[int]], gen: GenerationConfig
 
 def run_hf(engine, model, prompts: list[list[int]], gen: GenerationConfig, batched: bool):
     """transformers on the engine's loop thread (between steps, the engine idle): a second
-    thread running torch ops would own a second OpenMP pool and slow both (see bench.py)."""
+    thread running torch ops would own a second OpenMP pool and slow both (see
+    `Systems.on_engine_thread` in lmengine/bench/systems.py)."""
     return engine.call(lambda: _run_hf(model, engine.tokenizer, prompts, gen, batched), None)
 
 
@@ -86,7 +87,9 @@ def _run_hf(model, tokenizer, prompts: list[list[int]], gen: GenerationConfig, b
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="benchmarks/beam_search.py", description=__doc__)
+    p = argparse.ArgumentParser(
+        prog="benchmarks/beam_search.py", description=__doc__, allow_abbrev=False
+    )
     p.add_argument("--model", default=None, help="model folder (default: SmolLM2-135M)")
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=32)

@@ -132,7 +132,9 @@ def kernel_ms(model: str | None, context: int, repeat: int) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="benchmarks/kv_int8.py", description=__doc__)
+    p = argparse.ArgumentParser(
+        prog="benchmarks/kv_int8.py", description=__doc__, allow_abbrev=False
+    )
     p.add_argument("--model", default=None, help="model folder (default: SmolLM2-135M)")
     p.add_argument("--kv-mib", type=int, default=48, help="KV pool budget, MiB")
     p.add_argument("--num-requests", type=int, default=48)

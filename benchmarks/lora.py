@@ -114,7 +114,9 @@ def best_of(repeat: int, fn) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="benchmarks/lora.py", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="benchmarks/lora.py", description=__doc__.split("\n")[0], allow_abbrev=False
+    )
     p.add_argument("--model", default=None, help="checkpoint (default: SmolLM2-135M-Instruct)")
     p.add_argument("--quick", action="store_true", help="8 prompts x 8 tokens, 0/1/4/8")
     p.add_argument("--num-prompts", type=int, default=None, help="default 64 (--quick: 8)")
@@ -193,8 +195,8 @@ def main(argv: list[str] | None = None) -> int:
                 results["lmengine"][k] = work / min(dts)
             stats = engine.stats()
             if not args.skip_peft:
-                # NOTE: on the engine's thread (idle now), as lmengine/bench.py does: one OpenMP
-                # pool for both systems
+                # NOTE: on the engine's thread (idle now), as lmengine/bench/systems.py does: one
+                # OpenMP pool for both systems
                 def load_peft():
                     base_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
                     if not paths:

@@ -31,7 +31,9 @@ def _median_ms(fn, x, repeat: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="benchmarks/moe.py", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="benchmarks/moe.py", description=__doc__.split("\n")[0], allow_abbrev=False
+    )
     parser.add_argument("--quick", action="store_true", help="small sizes, few repeats")
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--inter", type=int, default=1792)

@@ -472,7 +472,9 @@ class Bench:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="benchmarks/policies.py", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="benchmarks/policies.py", description=__doc__.split("\n")[0], allow_abbrev=False
+    )
     p.add_argument("--model", default=None, help="model folder or hub id (default: SmolLM2)")
     p.add_argument("--parts", default="table,hetero,qos", help="comma list: table,hetero,qos")
     p.add_argument("--runs", type=int, default=3, help="runs per table cell")

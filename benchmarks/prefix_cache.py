@@ -83,7 +83,9 @@ def run_scenario(model: str | None, caching: bool, name: str, args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="benchmarks/prefix_cache.py", description=__doc__)
+    p = argparse.ArgumentParser(
+        prog="benchmarks/prefix_cache.py", description=__doc__, allow_abbrev=False
+    )
     p.add_argument("--model", default=None, help="model folder (default: SmolLM2-135M)")
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--max-new-tokens", type=int, default=32)

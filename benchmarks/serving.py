@@ -231,7 +231,9 @@ def start_server(model: str | None, engine_flags: list[str]) -> tuple[subprocess
 
 # ---- main ---------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="benchmarks/serving.py", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="benchmarks/serving.py", description=__doc__.split("\n")[0], allow_abbrev=False
+    )
     p.add_argument("--model", default=None, help="checkpoint (default: SmolLM2-135M-Instruct)")
     p.add_argument("--num-prompts", type=int, default=None, help="requests per run (default 64)")
     p.add_argument("--max-tokens", type=int, default=None, help="new tokens each (default 64)")

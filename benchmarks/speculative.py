@@ -120,7 +120,9 @@ def run_transformers(path: str, mode: str, prompts: list[list[int]], args) -> di
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="benchmarks/speculative.py", description=__doc__)
+    p = argparse.ArgumentParser(
+        prog="benchmarks/speculative.py", description=__doc__, allow_abbrev=False
+    )
     p.add_argument("--model", default=None, help="model folder (default: SmolLM2-135M)")
     p.add_argument("--num-prompts", type=int, default=6)
     p.add_argument("--max-new-tokens", type=int, default=96)

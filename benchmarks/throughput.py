@@ -4,7 +4,7 @@
     python benchmarks/throughput.py --workloads w1 --repeat 3 --json results.json
     python benchmarks/throughput.py --quick              # a smoke test with small sizes
 
-See `lmengine/bench.py` for what each workload measures.
+See `lmengine/bench` for what each workload measures.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="benchmarks/throughput.py",
         description="lmengine vs transformers throughput (float32, CPU), in one run",
+        allow_abbrev=False,
     )
     add_bench_flags(parser)
     args = parser.parse_args(argv)

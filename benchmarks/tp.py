@@ -166,7 +166,7 @@ def measure(path: str, tp: int, prompts, new: int, repeat: int, threads: int) ->
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--quick", action="store_true", help="8 prompts x 16 tokens, 1 run")
     parser.add_argument("--model", default=None, help="checkpoint folder (default: see above)")
     parser.add_argument("--num-prompts", type=int, default=None, help="default 32 (quick: 8)")

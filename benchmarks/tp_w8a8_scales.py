@@ -110,7 +110,7 @@ def heldout_logits(engine: Engine, ids: list[int], window: int, windows: int) ->
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(prog="benchmarks/tp_w8a8_scales.py")
+    p = argparse.ArgumentParser(prog="benchmarks/tp_w8a8_scales.py", allow_abbrev=False)
     p.add_argument("--model", default=None, help="float checkpoint (default: SmolLM2-135M)")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--tp", type=int, nargs="+", default=[3], help="simulated ranks")

@@ -172,7 +172,9 @@ def w1_throughput(
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="benchmarks/w8a8.py", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="benchmarks/w8a8.py", description=__doc__.split("\n")[0], allow_abbrev=False
+    )
     p.add_argument("--model", default=None, help="float checkpoint (default: SmolLM2-135M)")
     p.add_argument("--quick", action="store_true", help="small sizes (explicit flags still win)")
     p.add_argument("--calib-samples", type=int, default=None, help="default 64 (quick: 8)")

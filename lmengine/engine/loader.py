@@ -140,7 +140,7 @@ def load_model_and_tokenizer(
     dev = pick_device(device)
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     torch_dtype = pick_dtype(dtype, dev, config)
-    from lmengine.quant.w8a8 import build_skeleton, read_quant_config
+    from lmengine.quant.checkpoint import build_skeleton, read_quant_config
 
     if read_quant_config(path) is not None:  # int8 weights, loaded after patching
         model = build_skeleton(path, torch_dtype, trust_remote_code)

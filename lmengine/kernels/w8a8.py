@@ -23,16 +23,10 @@ import torch
 from lmengine.kernels import cpu_ext
 from lmengine.kernels.activation import silu_mul_compiled_takes
 from lmengine.kernels.rms_norm import compiled_norm_takes, rms_norm_cpu
+from lmengine.kernels.w8a8_checks import check_gemm, check_rows
 
 QMAX = 127
 _MIN_AMAX = 1e-8  # an all-zero row quantizes to zeros with a tiny, finite scale
-
-
-def _check_rows(x: torch.Tensor, op: str) -> None:
-    if x.dim() != 2:
-        raise ValueError(f"{op}: x must be [num_tokens, hidden], got shape {tuple(x.shape)}")
-    if not x.is_floating_point():
-        raise ValueError(f"{op}: x must be a float tensor, got {x.dtype}")
 
 
 # ---- per-token quantization --------------------------------------------------------------------
@@ -62,7 +56,7 @@ def per_token_quant_cpu(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def per_token_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    _check_rows(x, "per_token_quant")
+    check_rows(x, "per_token_quant")
     if x.is_cuda:
         from lmengine.kernels.triton.w8a8 import per_token_quant_triton
 
@@ -93,7 +87,7 @@ def rms_norm_quant(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Fused RMSNorm (optionally after the residual add) + per-token int8 quantization."""
-    _check_rows(x, "rms_norm_quant")
+    check_rows(x, "rms_norm_quant")
     if x.shape[-1] != weight.shape[0]:
         raise ValueError(
             f"rms_norm_quant: hidden size {x.shape[-1]} != weight size {weight.shape[0]}"
@@ -127,23 +121,6 @@ def silu_mul_quant_cpu(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 # ---- int8 GEMM ----------------------------------------------------------------------------------
 
 
-def _check_gemm(
-    a_q: torch.Tensor, a_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, op: str
-) -> None:
-    if a_q.dtype != torch.int8 or w_q.dtype != torch.int8:
-        raise ValueError(f"{op}: a_q and w_q must be int8, got {a_q.dtype} and {w_q.dtype}")
-    if a_q.dim() != 2 or w_q.dim() != 2 or a_q.shape[1] != w_q.shape[1]:
-        raise ValueError(
-            f"{op}: a_q must be [M, K] and w_q [N, K], got {tuple(a_q.shape)} and "
-            f"{tuple(w_q.shape)}"
-        )
-    if a_scale.shape != (a_q.shape[0], 1) or w_scale.shape != (w_q.shape[0],):
-        raise ValueError(
-            f"{op}: a_scale must be [{a_q.shape[0]}, 1] and w_scale [{w_q.shape[0]}], got "
-            f"{tuple(a_scale.shape)} and {tuple(w_scale.shape)}"
-        )
-
-
 def int8_mm_ref(a_q: torch.Tensor, w_q: torch.Tensor) -> torch.Tensor:
     """Exact accumulator: a_q [M, K] int8 @ w_q[N, K].T -> [M, N] int32 (computed in int64)."""
     acc = a_q.to(torch.int64) @ w_q.to(torch.int64).t()  # [M, N]
@@ -173,7 +150,7 @@ def int8_gemm_ref(
     out_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """a_q [M, K] int8, a_scale [M, 1] f32, w_q [N, K] int8, w_scale [N] f32 -> [M, N]."""
-    _check_gemm(a_q, a_scale, w_q, w_scale, "int8_gemm_ref")
+    check_gemm(a_q, a_scale, w_q, w_scale, "int8_gemm_ref")
     return dequant_ref(int8_mm_ref(a_q, w_q), a_scale, w_scale, bias, out_dtype)
 
 
@@ -204,7 +181,7 @@ def int8_gemm(
 ) -> torch.Tensor:
     """int8 GEMM with int32 accumulation and a dequantizing epilogue; see `int8_gemm_ref`.
     `packed`: `pack_int8_weight(w_q)`, which the CPU path uses from 2 rows on (same result)."""
-    _check_gemm(a_q, a_scale, w_q, w_scale, "int8_gemm")
+    check_gemm(a_q, a_scale, w_q, w_scale, "int8_gemm")
     if a_q.is_cuda:
         from lmengine.kernels.triton.w8a8 import int8_gemm_triton
 

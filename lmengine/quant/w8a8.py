@@ -1,4 +1,4 @@
-"""W8A8 SmoothQuant: smoothing, conversion of a patched model, and the checkpoint format.
+"""W8A8 SmoothQuant: smoothing, conversion of a patched model, loading and making checkpoints.
 
 Flow of `lmengine quantize w8a8` (`quantize_checkpoint`):
 1. load the float model, unpatched, and run it on calibration text while hooks record the
@@ -13,15 +13,15 @@ Flow of `lmengine quantize w8a8` (`quantize_checkpoint`):
    channel), and the RMSNorms feeding them with W8A8RMSNorms (int8 activations per token);
 4. save the patched state dict as safetensors; `config.json` records the quantization.
 
-The LM head, the embeddings and the final norm stay in float.
+The LM head, the embeddings and the final norm stay in float. The checkpoint format is
+`lmengine.quant.checkpoint`, the layouts of the architectures `lmengine.quant.layout`; their
+names stay importable from here.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -30,56 +30,15 @@ from torch import nn
 from lmengine.models.llama import PatchedRMSNorm
 from lmengine.models.patch import _import, qualname
 from lmengine.models.w8a8 import W8A8_MODULE_MAP, W8A8Linear
+from lmengine.quant.checkpoint import QUANT_METHOD as QUANT_METHOD  # re-exported
+from lmengine.quant.checkpoint import build_skeleton as build_skeleton  # re-exported
+from lmengine.quant.checkpoint import read_quant_config, save_quantized
+from lmengine.quant.layout import W8A8_LAYOUTS as W8A8_LAYOUTS  # re-exported
+from lmengine.quant.layout import W8A8Layout, get_layout
 
 logger = logging.getLogger("lmengine")
 
-QUANT_METHOD = "lmengine_w8a8"
 _EPS = 1e-5
-
-
-@dataclass(frozen=True)
-class W8A8Layout:
-    """Where the quantizable linears of one architecture are, and how smoothing folds.
-
-    Paths are relative to one decoder layer, names as the patched model has them.
-    """
-
-    layers: str  # path of the ModuleList of decoder layers
-    norm_groups: tuple[tuple[str, str], ...]  # (RMSNorm, the linear it feeds)
-    # (producer linear, its part, consumer linear): the consumer's input is linear in the
-    # producer part's output channels (attention mixes tokens, SwiGLU multiplies elementwise),
-    # so its smoothing scales fold into the producer's rows
-    row_groups: tuple[tuple[str, str, str], ...]
-
-
-_LLAMA_LAYOUT = W8A8Layout(
-    layers="model.layers",
-    norm_groups=(
-        ("input_layernorm", "self_attn.qkv_proj"),
-        ("post_attention_layernorm", "mlp.gate_up_proj"),
-    ),
-    row_groups=(
-        ("self_attn.qkv_proj", "v_proj", "self_attn.o_proj"),
-        ("mlp.gate_up_proj", "up_proj", "mlp.down_proj"),
-    ),
-)
-
-# HF causal-LM class name -> layout. An architecture gets w8a8 by adding its layout here (and
-# its RMSNorm/linear classes to W8A8_MODULE_MAP if they differ from Llama's).
-W8A8_LAYOUTS: dict[str, W8A8Layout] = {"LlamaForCausalLM": _LLAMA_LAYOUT}
-
-
-def get_layout(model: nn.Module) -> W8A8Layout:
-    """The layout of `model` (patched or not); ValueError listing the supported ones if none."""
-    # NOTE: by name, not by subclassing: patches of other architectures may subclass the
-    # Llama patches, so a Llama class in the MRO says nothing about the checkpoint's layout
-    name = getattr(model, "lmengine_architecture", None) or type(model).__name__
-    if name in W8A8_LAYOUTS:
-        return W8A8_LAYOUTS[name]
-    raise ValueError(
-        f"w8a8 quantization is not supported for architecture {name}; "
-        f"supported: {', '.join(sorted(W8A8_LAYOUTS))}"
-    )
 
 
 # ---- smoothing ----------------------------------------------------------------------------------
@@ -218,60 +177,6 @@ def linear_weight_bytes(model: nn.Module) -> int:
 
 
 # ---- checkpoint ---------------------------------------------------------------------------------
-
-
-def read_quant_config(path: str | Path) -> dict | None:
-    """The `quantization_config` of a lmengine w8a8 checkpoint folder, else None."""
-    config_file = Path(path) / "config.json"
-    if not config_file.is_file():
-        return None
-    qc = json.loads(config_file.read_text(encoding="utf-8")).get("quantization_config")
-    if isinstance(qc, dict) and qc.get("quant_method") == QUANT_METHOD:
-        return qc
-    return None
-
-
-def save_quantized(model: nn.Module, tokenizer, out_dir: str | Path, quant_config: dict) -> Path:
-    """Write the patched, quantized model as safetensors + config.json (+ tokenizer)."""
-    from safetensors.torch import save_file
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
-    if getattr(model.config, "tie_word_embeddings", False):
-        state.pop("lm_head.weight", None)  # NOTE: tied to the embeddings; re-tied on load
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-    model.config.quantization_config = dict(quant_config, quant_method=QUANT_METHOD)
-    try:
-        model.config.save_pretrained(out)
-    finally:
-        del model.config.quantization_config
-    if getattr(model, "generation_config", None) is not None:
-        model.generation_config.save_pretrained(out)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(out)
-    return out
-
-
-def build_skeleton(path: str | Path, dtype: torch.dtype, trust_remote_code: bool = False):
-    """The HF model of a w8a8 checkpoint with placeholder weights; `load_quantized` fills it
-    after patching. It carries the checkpoint folder in `lmengine_w8a8_checkpoint`."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config  # NOTE: transformers knows no such quantizer
-    try:
-        from transformers.initialization import no_init_weights
-    except ImportError:  # older transformers: pay for a random init
-        from contextlib import nullcontext as no_init_weights
-    with no_init_weights():  # NOTE: every tensor is overwritten by load_quantized
-        model = AutoModelForCausalLM.from_config(
-            config, dtype=dtype, trust_remote_code=trust_remote_code
-        )
-    get_layout(model)  # a clear error before anything else
-    model.lmengine_w8a8_checkpoint = str(path)
-    return model
 
 
 @torch.no_grad()

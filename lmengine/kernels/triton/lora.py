@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lmengine.kernels.lora import LoRAMeta
+from lmengine.kernels.lora_meta import LoRAMeta
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 

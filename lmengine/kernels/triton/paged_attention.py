@@ -21,14 +21,11 @@ to q's dtype in registers before the dots.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import triton
 import triton.language as tl
 
-if TYPE_CHECKING:
-    from lmengine.kernels.paged_attention import AttentionMetadata
+from lmengine.kernels.attention_metadata import AttentionMetadata
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 

@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from lmengine.kernels.w8a8_checks import check_gemm
+
 MAX_BLOCK = 8192  # widest row the row kernels keep in registers
 QMAX = 127.0
 _MIN_AMAX = 1e-8
@@ -253,9 +255,7 @@ def _launch_gemm(a_q, a_scale, w_q, w_scale, bias, out: torch.Tensor, dequant: b
 
 
 def _check_gemm(a_q, a_scale, w_q, w_scale, op: str) -> None:
-    from lmengine.kernels.w8a8 import _check_gemm as check
-
-    check(a_q, a_scale, w_q, w_scale, op)
+    check_gemm(a_q, a_scale, w_q, w_scale, op)
     if not (a_scale.is_contiguous() and w_scale.is_contiguous()):
         raise ValueError(f"{op}: a_scale and w_scale must be contiguous")
     if a_scale.dtype != torch.float32 or w_scale.dtype != torch.float32:
