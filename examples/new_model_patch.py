@@ -138,7 +138,7 @@ def save_tiny_granite(path: str, tokenizer_src: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("--register", action="store_true", help="use register_module")
     args = parser.parse_args(argv)
 

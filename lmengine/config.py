@@ -174,8 +174,6 @@ class EngineConfig:
         _check_int("max_lora_rank", self.max_lora_rank, 0)
         if self.speculative is not None:
             self.speculative = SpeculativeConfig.parse(self.speculative)
-            if self.tp > 1:
-                raise ValueError("speculative decoding is not supported with tp > 1 yet")
 
 
 @dataclass

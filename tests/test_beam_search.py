@@ -266,14 +266,14 @@ def test_fork_shares_full_blocks_and_copies_the_partial_one():
     sched = Scheduler(BlockManager(32, 0, 4), get_policy("fcfs"), 8, 64)
     cfg = GenerationConfig(num_beams=3, max_new_tokens=5)
     seq = Sequence(0, 0, list(range(10, 20)), cfg)  # 10 tokens: 2 full blocks + 2 tokens
-    beams = BeamSearch(sched, [2], iter(range(1, 100)), None)
+    beams = BeamSearch(sched, [2], iter(range(1, 100)))
     sched.add_sequence(seq)
-    beams.add(seq, session_len=100)
+    beams.add(seq)
     out = sched.schedule()
     sched.update(out, {})
     row = torch.full((50,), -10.0)
     row[[30, 31, 32]] = torch.tensor([-0.1, -0.2, -0.3])  # three continuations of beam 0
-    assert beams.after_step({seq.seq_id: row}) == []
+    assert beams.advance({seq.seq_id: row}) == []
     group = beams.groups[0]
     assert [s.token_ids[-1] for s in group.beams] == [30, 31, 32]
     assert group.beams[0] is seq  # the first child continues in place
@@ -283,10 +283,9 @@ def test_fork_shares_full_blocks_and_copies_the_partial_one():
     assert len(set(partials)) == 3
     sched.check_integrity()
     out = sched.schedule()
-    beams.before_forward(out)
     assert sorted(out.blocks_to_copy) == sorted((seq.block_table[2], b) for b in partials[1:])
     assert [it.start_pos for it in out.scheduled] == [10, 10, 10]
-    beams.abort(0)
+    beams.finish(0)
     sched.check_integrity()
     assert sched.block_manager.num_free_blocks == 32
 

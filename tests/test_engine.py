@@ -145,16 +145,16 @@ def test_session_len_caps_generation(engine):
 
 def test_failed_step_fails_its_requests_and_engine_lives_on(engine):
     inst = engine.create_instance()
-    real_forward = engine.model_agent.forward
+    real_execute = engine.model_agent.execute
     gen = GenerationConfig(max_new_tokens=40, ignore_eos=True)
     running = inst.stream_infer(400, [5] * 12, gen_config=gen)
     assert next(running).finish_reason is None
 
     def explode_once(out):
-        engine.model_agent.forward = real_forward
+        engine.model_agent.execute = real_execute
         raise RuntimeError("injected failure")
 
-    engine.model_agent.forward = explode_once
+    engine.model_agent.execute = explode_once
     last = [r for r in running][-1]
     assert last.finish_reason == "error" and "injected failure" in last.error
     assert 1 <= last.generate_token_len < 40  # the tokens it had before the failure
@@ -171,7 +171,7 @@ def test_loop_death_reaches_every_caller(tiny_llama_path):
     def explode(out):
         raise RuntimeError("injected failure")
 
-    eng.model_agent.forward = explode  # every step fails: the loop gives up after a few
+    eng.model_agent.execute = explode  # every step fails: the loop gives up after a few
     inst = eng.create_instance()
     results = []
     threads = [

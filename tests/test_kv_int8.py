@@ -15,8 +15,6 @@ must pick the same token at >= 90 % of positions, and every disagreement must be
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
@@ -24,6 +22,7 @@ from lmengine import Engine, EngineConfig, GenerationConfig
 from lmengine.cli import build_dataclass, build_parser
 from lmengine.engine import cache_engine as ce
 from lmengine.engine.cache_engine import CacheSpec, derive_num_blocks
+from lmengine.engine.step import SeqInput, StepInput
 from lmengine.models.context import step_context
 from lmengine.quant.eval import heldout_token_ids, perplexity
 from tests.engine_utils import random_prompts, run_threads
@@ -80,12 +79,12 @@ def _all_logits(engine: Engine, seqs: list[list[int]]) -> torch.Tensor:
 
     def run() -> torch.Tensor:
         agent, items, first = engine.model_agent, [], 0
-        for s in seqs:
-            n = -(-len(s) // agent.block_size)
-            table = list(range(first, first + n))
-            items.append(SimpleNamespace(token_ids=s, start_pos=0, num_new_tokens=len(s)))
-            items[-1].needs_sample, items[-1].block_table, first = True, table, first + n
-        ids, ctx = agent.prepare(SimpleNamespace(scheduled=items, adapter_plan=None))
+        block_size = agent.cache_engine.spec.block_size
+        for i, s in enumerate(seqs):
+            n = -(-len(s) // block_size)
+            items.append(SeqInput(i, 0, s, list(range(first, first + n)), True))
+            first += n
+        ids, ctx = agent.runner.prepare(StepInput(items))
         ctx.logits_indices = torch.arange(ids.shape[0])
         with torch.inference_mode(), step_context(ctx):
             return agent.model(ids).float()  # [num_tokens, vocab]

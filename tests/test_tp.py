@@ -5,6 +5,7 @@ bad settings are refused before any process starts."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import threading
@@ -56,11 +57,14 @@ def _prompts(path: str) -> list[list[int]]:
     return random_prompts(LENGTHS, AutoConfig.from_pretrained(path).vocab_size, seed=3)
 
 
-def _run(path: str, tp: int, threads: int, **cfg) -> tuple[list, dict, Engine]:
+def _run(path: str, tp: int, threads: int, prompts=None, **cfg) -> tuple[list, dict, Engine]:
     # NOTE: device="cpu": these tests are about gloo; on a GPU machine tp=2 would need 2 GPUs
     engine = Engine.from_pretrained(path, EngineConfig(tp=tp, device="cpu", **cfg))
     got = run_threads(
-        engine, _prompts(path), GenerationConfig(max_new_tokens=NEW), num_threads=threads
+        engine,
+        prompts or _prompts(path),
+        GenerationConfig(max_new_tokens=NEW),
+        num_threads=threads,
     )
     return [r.token_ids for r in got if r.finish_reason in ("stop", "length")], got, engine
 
@@ -71,18 +75,22 @@ def _assert_no_worker_left(procs) -> None:
     assert not dist.is_initialized()
 
 
+def _check_equal_under_preemption(engine, got, responses, expected) -> None:
+    assert [r.error for r in responses] == [None] * len(LENGTHS)
+    assert got == expected
+    stats = engine.stats()
+    assert stats["num_preemptions"] > 0, "the small pool was meant to force preemption"
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+    engine.check_integrity()
+
+
 def test_tp2_equals_tp1_with_preemption_and_threads(tiny_llama_path):
     expected, _, ref = _run(tiny_llama_path, 1, threads=3, **PREEMPT)
     ref.close()
     got, responses, engine = _run(tiny_llama_path, 2, threads=3, **PREEMPT)
     procs = list(engine.model_agent.workers.procs.values())
     try:
-        assert [r.error for r in responses] == [None] * len(LENGTHS)
-        assert got == expected
-        stats = engine.stats()
-        assert stats["num_preemptions"] > 0, "the small pool was meant to force preemption"
-        assert stats["num_free_blocks"] == stats["num_total_blocks"]
-        engine.check_integrity()
+        _check_equal_under_preemption(engine, got, responses, expected)
         # every rank holds about half of the weights (norms are replicated)
         per_rank = engine.call(engine.model_agent.rank_weight_bytes)
         full = sum(os.path.getsize(p) for p in _safetensors(tiny_llama_path))
@@ -92,6 +100,32 @@ def test_tp2_equals_tp1_with_preemption_and_threads(tiny_llama_path):
     finally:
         engine.close()
     assert [p.returncode for p in procs] == [0]  # stopped by the engine, not killed
+    _assert_no_worker_left(procs)
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_tp2_with_speculative_decoding_equals_tp1(tiny_llama_path, method):
+    """The same step code runs with and without TP, so speculative decoding (prompt lookup,
+    or a draft model whole on rank 0) works with tp=2: greedy output equals tp=1 without
+    speculation, under preemption and threads, and drafts were proposed and accepted."""
+    # prompts that repeat themselves, so that prompt lookup finds drafts the model accepts
+    prompts = [p * 2 for p in _prompts(tiny_llama_path)]  # at most 80 tokens
+    expected, _, ref = _run(tiny_llama_path, 1, threads=3, prompts=prompts, **PREEMPT)
+    ref.close()
+    spec = {"method": method, "num_speculative_tokens": 3}
+    if method == "draft_model":
+        spec["draft_model"] = tiny_llama_path
+    got, responses, engine = _run(
+        tiny_llama_path, 2, threads=3, prompts=prompts, speculative=spec, **PREEMPT
+    )
+    procs = list(engine.model_agent.workers.procs.values())
+    try:
+        _check_equal_under_preemption(engine, got, responses, expected)
+        spec = engine.stats()["speculative"]
+        assert spec["num_accepted_tokens"] > 0, spec
+        assert sum(r.num_accepted_tokens for r in responses) > 0
+    finally:
+        engine.close()
     _assert_no_worker_left(procs)
 
 
@@ -261,35 +295,49 @@ def test_bad_tp_settings_are_refused_before_start(tiny_llama_path, tmp_path):
 
 def test_step_channel_round_trip_and_growth():
     """The wire format and its protocol without processes: the broadcast is replaced by a
-    list that the sender appends to and the receiver reads in order."""
-    from lmengine.distributed.step import StepChannel, StepInputs
+    list that the sender appends to and the receiver reads in order. Workers get the StepInput
+    without its rank-0-only sampling fields."""
+    from lmengine.distributed.step import StepChannel
+    from lmengine.engine.step import SeqInput, StepInput
+    from lmengine.scheduler.adapter_manager import AdapterLoad, AdapterPlan
 
     sender, receiver = StepChannel(torch.device("cpu"), 64), StepChannel(torch.device("cpu"), 64)
     wire: list[torch.Tensor] = []
     sender._broadcast = lambda: wire.append(sender.buffer.clone())
     receiver._broadcast = lambda: receiver.buffer.copy_(wire.pop(0))
-    big = StepInputs(
-        swap_in=[(1, 2)],
-        swap_out=[(3, 4), (5, 6)],
-        copy=[],
-        token_ids=torch.arange(300),
-        start_pos=[0, 7],
-        q_lens=[299, 1],
-        needs_sample=[True, False],
-        block_tables=[list(range(75)), [80, 81]],
-        lora=[1, 0, 1, 2, 2, 5, 6, 0, 0, -1],
+    gen = GenerationConfig(max_new_tokens=3)
+    big = StepInput(
+        seqs=[
+            SeqInput(
+                1,
+                0,
+                list(range(299)),
+                list(range(75)),
+                True,
+                2,
+                gen_config=gen,
+                token_ids=list(range(299)),
+                num_prompt_tokens=299,
+            ),
+            SeqInput(2, 7, [5, 9, 9], [80, 81], False, None, num_lookahead=2, num_drafts=2),
+        ],  # fmt: skip
+        blocks_to_swap_in=[(1, 2)],
+        blocks_to_swap_out=[(3, 4), (5, 6)],
+        adapter_plan=AdapterPlan([AdapterLoad(2, {"qkv": [5, 6]})], {2: {"qkv": [5, 6]}}, [0]),
+        finished_seq_ids=[4],
     )
-    small = StepInputs([], [], [(9, 10)], torch.tensor([5]), [3], [1], [True], [[2]])
+    small = StepInput(blocks_to_copy=[(9, 10)])
     for inputs in (big, small, big):
-        sender.send(inputs)
+        sender.send(inputs.for_workers())
         got = receiver.receive()
         assert not wire
-        for field in ("swap_in", "swap_out", "copy", "start_pos", "q_lens", "needs_sample"):
-            assert getattr(got, field) == getattr(inputs, field), field
-        assert got.block_tables == inputs.block_tables
-        assert got.lora == inputs.lora
-        assert torch.equal(got.token_ids, inputs.token_ids)
-    assert receiver.buffer.numel() == sender.buffer.numel() >= 9 + 300 + 75
+        assert dataclasses.asdict(got) == dataclasses.asdict(inputs.for_workers())
+        for mine, theirs in zip(inputs.seqs, got.seqs):
+            assert (theirs.input_ids, theirs.block_table) == (mine.input_ids, mine.block_table)
+            assert theirs.num_logits == mine.num_logits
+            assert theirs.gen_config is None and theirs.token_ids == []
+    assert big.seqs[0].gen_config is gen  # rank 0's own input keeps them
+    assert receiver.buffer.numel() == sender.buffer.numel() > 64
     sender.send_control({"op": "store", "path": "/a/b é"})  # a LoRA control message
     assert receiver.receive() == {"op": "store", "path": "/a/b é"}
     sender.send(None)

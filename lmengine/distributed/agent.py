@@ -1,13 +1,15 @@
 """The tensor-parallel ModelAgent: rank 0 of N, in the engine process, plus N-1 workers.
 
 Rank 0 starts the workers, loads its own shard meanwhile, waits until every worker reports
-its shard loaded, forms the process group with them, and agrees on the KV block count. Each
-step it broadcasts the step's inputs (tensors), runs its shard of the forward like every
-other rank, receives the gathered logits and samples. Scheduling and sampling stay here.
+its shard loaded, forms the process group with them, and agrees on the KV block count. It is
+a ModelAgent like any other: the same `execute`, sampler and speculative decoding (a draft
+model runs whole on rank 0). Only its runner differs: `BroadcastRunner` sends each step's
+StepInput to the workers, then runs this rank's shard with the same ModelRunner code.
 
 Failure: a monitor thread watches the workers. If one dies, every worker is stopped, and
 `on_failure` (the engine's) fails every request and stops the engine; a step that was running
-fails with the same clear error instead of waiting on a dead peer.
+fails with the same clear error instead of waiting on a dead peer. Any failure inside a
+broadcast step is fatal (TPWorkerError): the other ranks may be inside a collective.
 """
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ import torch.distributed as dist
 from lmengine.config import EngineConfig
 from lmengine.distributed.comm import TPGroup, backend_for, reset_tp_group, set_tp_group
 from lmengine.distributed.load import load_shard, local_checkpoint, weight_bytes
-from lmengine.distributed.lora import needs_broadcast
-from lmengine.distributed.step import StepChannel, StepInputs, build_rank_runner
+from lmengine.distributed.lora import TPLoRAPool
+from lmengine.distributed.step import StepChannel, build_rank_cache
 from lmengine.distributed.worker import (
     COLLECTIVE_TIMEOUT,
     STATUS_KEY,
@@ -35,18 +37,20 @@ from lmengine.distributed.worker import (
     set_cpu_threads,
     worker_command,
 )
-from lmengine.engine.beam import split_beam_rows
+from lmengine.engine.cache_engine import CacheEngine
 from lmengine.engine.model_agent import ModelAgent
-from lmengine.engine.sampling import Sampler, SampleResult
-from lmengine.scheduler.scheduler import SchedulerOutput
+from lmengine.engine.request import FatalEngineError
+from lmengine.engine.runner import ModelRunner
+from lmengine.engine.speculative import build_proposer
+from lmengine.engine.step import StepInput
 
 logger = logging.getLogger("lmengine")
 
 LOCAL_RANKS_ENV = "LMENGINE_TP_LOCAL_WORLD_SIZE"  # ranks on this machine (default: all)
 
 
-class TPWorkerError(RuntimeError):
-    """A tensor-parallel worker failed to start or died."""
+class TPWorkerError(FatalEngineError):
+    """A tensor-parallel worker failed to start or died, or a broadcast step failed."""
 
 
 class WorkerGroup:
@@ -118,8 +122,41 @@ class WorkerGroup:
                 proc.wait()
 
 
+class BroadcastRunner(ModelRunner):
+    """Rank 0's runner: broadcasts each StepInput (without its sampling fields) to the
+    workers, then runs this rank's shard like any ModelRunner."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        cache_engine: CacheEngine,
+        lora: TPLoRAPool,
+        device: torch.device,
+        channel: StepChannel,
+        check: Callable[[], None],
+        on_error: Callable[[str], None],
+    ) -> None:
+        super().__init__(model, cache_engine, lora, device)
+        self.channel = channel
+        self._check = check  # raises TPWorkerError when a worker is known dead
+        self._on_error = on_error  # the workers may be inside a collective: never reuse them
+
+    def run(self, inputs: StepInput) -> torch.Tensor | None:
+        self._check()
+        try:
+            self.channel.send(inputs.for_workers())
+            return super().run(inputs)
+        except Exception as e:
+            time.sleep(0.2)  # NOTE: let the monitor see a dead process and name it
+            self._check()
+            message = f"tensor-parallel step failed: {type(e).__name__}: {e}"
+            self._on_error(message)
+            raise TPWorkerError(message) from e
+
+
 class TPModelAgent(ModelAgent):
-    """Rank 0 of a tensor-parallel model: same interface as ModelAgent; owns the workers."""
+    """Rank 0 of a tensor-parallel model: a ModelAgent whose runner broadcasts each step to
+    the worker processes, which it starts, watches and stops."""
 
     def __init__(
         self,
@@ -158,9 +195,8 @@ class TPModelAgent(ModelAgent):
             set_cpu_threads(cfg)
         self.workers = WorkerGroup(path, cfg, device)
         try:
-            self.model, self.info = load_shard(
-                path, cfg.dtype, device, 0, cfg.tp, cfg.trust_remote_code
-            )
+            model, info = load_shard(path, cfg.dtype, device, 0, cfg.tp, cfg.trust_remote_code)
+            proposer = build_proposer(cfg, info, device)  # a draft model: whole, on rank 0
             self.workers.wait_ready(STORE_TIMEOUT.total_seconds())
             dist.init_process_group(
                 backend_for(device),
@@ -170,16 +206,17 @@ class TPModelAgent(ModelAgent):
                 timeout=COLLECTIVE_TIMEOUT,
             )
             set_tp_group(TPGroup(0, cfg.tp, device))
-            self.runner = build_rank_runner(self.model, self.info, cfg, device)
+            sharing = tuple(proposer.cache_specs()) if proposer is not None else ()
+            cache = build_rank_cache(model, info, cfg, device, sharing)
             self.channel = StepChannel(device)
-            self.runner.lora.send = self.channel.send_control
+            lora = TPLoRAPool(model, device, send=self.channel.send_control)
+            runner = BroadcastRunner(
+                model, cache, lora, device, self.channel, self._raise_if_failed, self._step_failed
+            )
         except BaseException:
             self._shutdown(send_stop=False)
             raise
-        self.cache_engine = self.runner.cache_engine
-        self.kv_token_bytes = self.runner.kv_token_bytes
-        self.lora = self.runner.lora  # the engine adds adapters through it
-        self.sampler = Sampler(self.info.eos_token_ids, device)
+        self._start(runner, info, proposer)
         self._monitor = threading.Thread(target=self._watch, name="lmengine-tp-watch", daemon=True)
         self._monitor.start()
 
@@ -195,35 +232,9 @@ class TPModelAgent(ModelAgent):
         check_tp(ModelInfo.from_hf(config), cfg.tp, device)
         check_tp_config(config, cfg.tp)
 
-    # ---- per step (engine loop thread) ---------------------------------------------------------
-    @torch.inference_mode()
-    def forward(self, out: SchedulerOutput) -> dict[int, SampleResult]:
-        self.beam_rows: dict[int, torch.Tensor] = {}  # beam search rows (see ModelAgent)
-        has_swaps = out.blocks_to_swap_in or out.blocks_to_swap_out or out.blocks_to_copy
-        if out.is_empty and not has_swaps and not needs_broadcast(out.adapter_plan):
-            return {}
-        self._raise_if_failed()
-        inputs = StepInputs.from_output(out)
-        inputs.lora = self.lora.encode(out)
-        try:
-            self.channel.send(inputs)
-            logits = self.runner.run(inputs)  # [num_samples, vocab]
-        except Exception as e:
-            time.sleep(0.2)  # NOTE: let the monitor see the dead process and name it
-            self._raise_if_failed()
-            raise TPWorkerError(f"tensor-parallel communication failed: {e}") from e
-        seqs = [it.seq for it in out.scheduled if it.needs_sample]
-        if not seqs or logits is None:
-            return {}
-        self.beam_rows, logits, seqs = split_beam_rows(logits, seqs, self.sampler)
-        if not seqs:
-            return {}
-        results = self.sampler.sample(logits, seqs)
-        return {seq.seq_id: res for seq, res in zip(seqs, results)}
-
     def rank_weight_bytes(self) -> list[int]:
         """Bytes of the weights each rank holds (rank 0 first)."""
-        return [weight_bytes(self.model)] + [
+        return [weight_bytes(self.runner.model)] + [
             self.workers.weight_bytes[r] for r in range(1, self.tp)
         ]
 
@@ -234,6 +245,11 @@ class TPModelAgent(ModelAgent):
             self._failure = self._death_message(*dead)
         if self._failure is not None:
             raise TPWorkerError(self._failure)
+
+    def _step_failed(self, message: str) -> None:
+        """A broadcast step failed: the workers cannot be trusted to be in step again, so
+        close() kills them instead of sending a stop message."""
+        self._failure = self._failure or message
 
     @staticmethod
     def _death_message(rank: int, code: int) -> str:

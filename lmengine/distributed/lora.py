@@ -15,7 +15,7 @@ which each rank reads from the checkpoint folder): no adapter weights cross the 
 reads first and checks the adapter (its errors go to the caller); then it sends the workers
 a small control message ("enable" the pool, "store" the adapter at this path under this id)
 on the step channel, between two steps. Each step's AdapterPlan (loads, page tables, drops)
-and the adapter of every sequence travel inside the step broadcast as integers.
+and the adapter of every sequence travel inside the step's StepInput.
 """
 
 from __future__ import annotations
@@ -26,8 +26,6 @@ import torch
 
 from lmengine.engine.lora_pool import AdapterWeights, LoRAPart, LoRAPool, read_peft_adapter
 from lmengine.models.lora import LoRAKind, LoRATargets
-from lmengine.scheduler.adapter_manager import AdapterLoad, AdapterPlan
-from lmengine.scheduler.scheduler import SchedulerOutput
 
 
 def full_targets(targets: LoRATargets) -> LoRATargets:
@@ -105,62 +103,3 @@ class TPLoRAPool(LoRAPool):
             super().store(message["adapter_id"], self.read(message["path"]))
         else:
             raise ValueError(f"unknown LoRA control message {message!r}")
-
-    # ---- the adapter part of a step, as integers ------------------------------------------
-    def encode(self, out: SchedulerOutput) -> list[int]:
-        """[] without a plan; else loads, page tables (in order), drops, then the adapter id
-        of every scheduled sequence (-1: none)."""
-        plan = out.adapter_plan
-        if plan is None:
-            return []
-        index = {name: i for i, name in enumerate(self.kind_names)}
-
-        def pages(values: list[int], by_kind: dict[str, list[int]]) -> None:
-            values.append(len(by_kind))
-            for kind, ids in by_kind.items():
-                values += [index[kind], len(ids), *ids]
-
-        values = [len(plan.loads)]
-        for load in plan.loads:
-            values.append(load.adapter_id)
-            pages(values, load.pages)
-        values.append(len(plan.page_tables))
-        for adapter_id, by_kind in plan.page_tables.items():
-            values.append(adapter_id)
-            pages(values, by_kind)
-        values += [len(plan.drops), *plan.drops]
-        values += [-1 if it.seq.adapter_id is None else it.seq.adapter_id for it in out.scheduled]
-        return values
-
-    def decode(self, values: list[int], num_seqs: int) -> tuple[AdapterPlan, list[int | None]]:
-        """The inverse of `encode` (a non-empty encoding)."""
-        pos = 0
-
-        def take(n: int = 1) -> list[int]:
-            nonlocal pos
-            pos += n
-            return values[pos - n : pos]
-
-        def pages() -> dict[str, list[int]]:
-            by_kind = {}
-            for _ in range(take()[0]):
-                kind, n = take(2)
-                by_kind[self.kind_names[kind]] = take(n)
-            return by_kind
-
-        plan = AdapterPlan()
-        for _ in range(take()[0]):
-            plan.loads.append(AdapterLoad(take()[0], pages()))
-        for _ in range(take()[0]):
-            adapter_id = take()[0]
-            plan.page_tables[adapter_id] = pages()
-        plan.drops = take(take()[0])
-        adapter_ids = [None if a < 0 else a for a in take(num_seqs)]
-        if pos != len(values):
-            raise ValueError(f"LoRA step encoding: {len(values) - pos} integers left over")
-        return plan, adapter_ids
-
-
-def needs_broadcast(plan: AdapterPlan | None) -> bool:
-    """An otherwise empty step still goes out when it loads or drops adapters."""
-    return plan is not None and bool(plan.loads or plan.drops)

@@ -28,7 +28,9 @@ import torch.distributed as dist
 from lmengine.config import EngineConfig
 from lmengine.distributed.comm import TPGroup, backend_for, set_tp_group
 from lmengine.distributed.load import load_shard, weight_bytes
-from lmengine.distributed.step import StepChannel, build_rank_runner
+from lmengine.distributed.lora import TPLoRAPool
+from lmengine.distributed.step import StepChannel, build_rank_cache
+from lmengine.engine.runner import ModelRunner
 
 STATUS_KEY = "lmengine/tp/status/{rank}"
 # NOTE: an idle engine sends nothing for as long as it is idle, so collectives must not time
@@ -83,7 +85,8 @@ def run_worker(
         backend_for(device), store=store, rank=rank, world_size=cfg.tp, timeout=COLLECTIVE_TIMEOUT
     )
     set_tp_group(TPGroup(rank, cfg.tp, device))
-    runner = build_rank_runner(model, info, cfg, device)
+    cache = build_rank_cache(model, info, cfg, device)
+    runner = ModelRunner(model, cache, TPLoRAPool(model, device), device)
     channel = StepChannel(device)
     while (inputs := channel.receive()) is not None:
         if isinstance(inputs, dict):  # NOTE: a LoRA control message (add an adapter)
@@ -122,6 +125,7 @@ def worker_command(
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m lmengine.distributed.worker",
+        allow_abbrev=False,
         description="A tensor-parallel worker rank of an lmengine engine (rank 0).",
     )
     parser.add_argument("--model", required=True, help="the checkpoint folder rank 0 loads")

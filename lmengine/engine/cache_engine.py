@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from lmengine.engine.step import StepInput
+
 
 @dataclass(frozen=True)
 class CacheSpec:
@@ -26,6 +28,13 @@ class CacheSpec:
     block_size: int
     dtype: torch.dtype  # the model's (compute) dtype
     kv_cache_dtype: str = "auto"  # "auto": K/V stored in `dtype`; "int8": int8 + scales
+
+    @classmethod
+    def for_model(cls, info, cfg, dtype: torch.dtype, num_kv_heads: int | None = None) -> CacheSpec:
+        """The block shape of a model (`ModelInfo`) under an `EngineConfig`; `num_kv_heads`:
+        a tensor-parallel rank's share of the KV heads (default: all of them)."""
+        heads = info.num_kv_heads if num_kv_heads is None else num_kv_heads
+        return cls(info.num_layers, heads, info.head_dim, cfg.block_size, dtype, cfg.kv_cache_dtype)
 
     @property
     def quantized(self) -> bool:
@@ -123,6 +132,13 @@ class CacheEngine:
             for src, dst in zip(src_layer, dst_layer):  # K, V (and their scales)
                 moved = src.index_select(0, src_ids.to(src.device)).to(dst.device)
                 dst.index_copy_(0, dst_ids.to(dst.device), moved)
+
+    def apply(self, inputs: StepInput) -> None:
+        """A step's block moves (`StepInput`), in the order its docstring gives: copies, then
+        swap-outs, then swap-ins."""
+        self.copy(inputs.blocks_to_copy)
+        self.swap_out(inputs.blocks_to_swap_out)
+        self.swap_in(inputs.blocks_to_swap_in)
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
         """Copy host blocks to device blocks: pairs of (host_id, device_id)."""

@@ -1,8 +1,18 @@
 """The Engine: one RequestManager, one Scheduler, one ModelAgent and the step loop.
 
 The loop runs in one background thread and is the only code that touches the Scheduler and
-the model. Each iteration: (1) drain requests, (2) schedule, (3) swap/copy blocks and run the
-model, (4) sample, (5) update sequences and publish responses.
+the model. One request, from the caller to its last response:
+
+1. `EngineInstance.stream_infer` builds an AddRequest; `RequestManager.submit` validates it in
+   the caller's thread (`RequestValidator.validate`) and queues it.
+2. The loop drains it (`_handle` -> `_add`): the request gets a Sequence in the Scheduler and a
+   RequestState in the output stage (`OutputProcessor`).
+3. Each `step()`: the Scheduler picks the batch (`schedule`), the ModelAgent runs it
+   (`execute`: StepInput -> ModelOutput), the output stage checks stops and builds Responses
+   (`process`), the Scheduler takes the tokens back (`update`), beam groups advance, and the
+   RequestManager hands each Response to its caller's queue (`publish_many`).
+4. A finished request is forgotten after its last Response is published. A fault anywhere in
+   a step fails that step's requests only (`_fail_step`).
 """
 
 from __future__ import annotations
@@ -13,30 +23,30 @@ import os
 import queue
 import threading
 import traceback
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
 
 import torch
 
-from lmengine.config import EngineConfig, GenerationConfig
-from lmengine.engine.beam import BeamSearch, validate_beam_request
-from lmengine.engine.detokenize import IncrementalDetokenizer
+from lmengine.config import EngineConfig
+from lmengine.engine.beam import BeamSearch
 from lmengine.engine.loader import load_model_and_tokenizer
 from lmengine.engine.lora_pool import DEFAULT_MAX_LORA_RANK
 from lmengine.engine.model_agent import ModelAgent
+from lmengine.engine.outputs import OutputProcessor
 from lmengine.engine.request import (
     STEP_FAILED,
     AddRequest,
     CallRequest,
     CancelRequest,
     EndRequest,
+    FatalEngineError,
     Request,
     RequestError,
     RequestManager,
-    Response,
     error_response,
 )
-from lmengine.engine.sampling import SampleResult
+from lmengine.engine.step import StepInput
+from lmengine.engine.validation import RequestValidator
 from lmengine.models.model_info import ModelInfo
 from lmengine.scheduler import (
     AdapterManager,
@@ -46,39 +56,10 @@ from lmengine.scheduler import (
     Sequence,
     get_policy,
 )
-from lmengine.scheduler.qos import QoS, QoSError
+from lmengine.scheduler.qos import QoS
 
 logger = logging.getLogger("lmengine")
 _MAX_FAILED_STEPS = 3  # consecutive failed steps before the loop gives up (a broken engine)
-
-
-@dataclass(eq=False)
-class _RequestState:
-    """Engine-side state of one running request: its sequence, text and stop matching."""
-
-    req: AddRequest
-    seq: Sequence
-    detok: IncrementalDetokenizer | None
-    logprobs: list[dict[int, float]] | None
-    text: str | None = None
-
-    def visible_text(self, finished: bool) -> str | None:
-        """Text safe to show: while running, hold back a tail that may start a stop word."""
-        words = self.req.gen_config.stop_words
-        if finished or not words or self.text is None:
-            return self.text
-        hold = max(len(w) for w in words) - 1
-        return self.text[: max(0, len(self.text) - hold)]
-
-    def response(self, token_ids: list[int], finish_reason: str | None) -> Response:
-        return Response(
-            text=self.visible_text(finish_reason is not None),
-            token_ids=token_ids,
-            finish_reason=finish_reason,
-            input_token_len=self.seq.num_prompt_tokens,
-            generate_token_len=len(token_ids),
-            logprobs=list(self.logprobs) if self.logprobs is not None else None,
-        )
 
 
 class Engine:
@@ -172,16 +153,24 @@ class Engine:
             num_lookahead_slots=cfg.speculative.num_speculative_tokens if cfg.speculative else 0,
             max_seq_len=self.session_len,
         )
-        self._adapter_names: frozenset[str] = frozenset()  # read by _validate on any thread
+        self._adapter_names: frozenset[str] = frozenset()  # read by the validator, any thread
         if cfg.adapters:
             self._enable_lora(cfg.adapters)
-        self.request_manager = RequestManager(self._validate)
-        self._states: dict[int, _RequestState] = {}  # session_id -> running request
+        self.validator = RequestValidator(
+            vocab_size=self.info.vocab_size,
+            session_len=self.session_len,
+            max_batch_size=cfg.max_batch_size,
+            num_blocks=num_blocks,
+            block_size=cfg.block_size,
+            is_speculative=cfg.speculative is not None,
+            adapter_names=lambda: self._adapter_names,
+            qos=self._qos,
+        )
+        self.request_manager = RequestManager(self.validator.validate)
+        self.outputs = OutputProcessor(self.tokenizer, self.info.eos_token_ids)
         self._seq_ids = itertools.count()
         self._session_ids = itertools.count(1 << 48)  # auto ids, far from user-chosen ones
-        self.beam_search = BeamSearch(
-            self.scheduler, self.info.eos_token_ids, self._seq_ids, self.tokenizer
-        )
+        self.beam_search = BeamSearch(self.scheduler, self.info.eos_token_ids, self._seq_ids)
 
     def _run(self, loader: Callable[[], tuple]) -> None:
         try:
@@ -265,7 +254,7 @@ class Engine:
 
         def collect() -> dict:
             stats = self.scheduler.stats()
-            speculative = getattr(self.model_agent, "speculative_stats", lambda: None)()
+            speculative = self.model_agent.speculative_stats()
             if speculative is not None:
                 stats["speculative"] = speculative
             return stats
@@ -321,52 +310,6 @@ class Engine:
         self.scheduler.block_manager.forget_adapter(name)  # prefix caching: stale KV
         self._adapter_names = frozenset(manager.ids)
 
-    # ---- validation (submitting thread; reads immutable state only) ---------------------------
-    def _validate(self, req: AddRequest) -> None:
-        if not isinstance(req.gen_config, GenerationConfig):
-            raise RequestError(f"gen_config must be a GenerationConfig, got {req.gen_config!r}")
-        try:
-            req.gen_config.__post_init__()  # NOTE: fields may have been changed since creation
-        except ValueError as e:
-            raise RequestError(f"invalid generation config: {e}") from None
-        ids = req.input_ids
-        if not isinstance(ids, list) or not all(
-            isinstance(t, int) and not isinstance(t, bool) for t in ids
-        ):
-            raise RequestError("input_ids must be a list of integer token ids")
-        if not ids:
-            raise RequestError("empty prompt: input_ids has no tokens")
-        bad = [t for t in ids if t < 0 or t >= self.info.vocab_size]
-        if bad:
-            raise RequestError(
-                f"token id {bad[0]} is outside the vocabulary [0, {self.info.vocab_size})"
-            )
-        if len(ids) >= self.session_len:
-            raise RequestError(
-                f"prompt of {len(ids)} tokens leaves no room to generate within "
-                f"session_len={self.session_len}"
-            )
-        if req.adapter_name is not None and req.adapter_name not in self._adapter_names:
-            loaded = ", ".join(sorted(self._adapter_names)) or "none"
-            raise RequestError(f"unknown adapter {req.adapter_name!r} (loaded: {loaded})")
-        if req.priority is not None and (
-            isinstance(req.priority, bool) or not isinstance(req.priority, int)
-        ):
-            raise RequestError(f"priority must be an integer or None, got {req.priority!r}")
-        validate_beam_request(
-            req,
-            self.scheduler.block_manager.device.num_blocks,
-            self.engine_config.block_size,
-            self.session_len,
-            self.engine_config.max_batch_size,
-            self.engine_config.speculative is not None,
-        )
-        if self._qos is not None:
-            try:
-                self._qos.tenant(req.user_id)
-            except QoSError as e:
-                raise RequestError(str(e)) from None
-
     # ---- the loop thread ----------------------------------------------------------------------
     def _loop(self) -> None:
         try:
@@ -383,11 +326,8 @@ class Engine:
     def _handle(self, req: Request) -> None:
         if isinstance(req, AddRequest):
             self._add(req)
-        elif isinstance(req, CancelRequest):
+        elif isinstance(req, (CancelRequest, EndRequest)):
             self._finish_session(req.session_id, "cancel")
-        elif isinstance(req, EndRequest):
-            self._finish_session(req.session_id, "cancel")
-            self.scheduler.end_session(req.session_id)
         elif isinstance(req, CallRequest):
             try:
                 req.result_queue.put((True, req.fn()))
@@ -395,9 +335,12 @@ class Engine:
                 req.result_queue.put((False, e))
 
     def _add(self, req: AddRequest) -> None:
-        if req.session_id in self._states:
-            message = f"session {req.session_id} already has a running request"
-            self.request_manager.publish(req, error_response(req, message))
+        try:
+            adapter_id = self.validator.admit(
+                req, self.outputs.states, self.scheduler.adapter_manager
+            )
+        except RequestError as e:
+            self.request_manager.deliver(req, error_response(req, str(e)))
             return
         seq = Sequence(
             seq_id=next(self._seq_ids),
@@ -407,121 +350,62 @@ class Engine:
             priority=req.priority,
             user_id=req.user_id,
             adapter_name=req.adapter_name,
+            adapter_id=adapter_id,
         )
-        if req.adapter_name is not None:
-            manager = self.scheduler.adapter_manager
-            seq.adapter_id = manager.id_of(req.adapter_name) if manager else None
-            if seq.adapter_id is None:  # removed since the request was validated
-                message = f"unknown adapter {req.adapter_name!r}: it was removed"
-                self.request_manager.publish(req, error_response(req, message))
-                return
-        detok = None
-        if self.tokenizer is not None:
-            detok = IncrementalDetokenizer(
-                self.tokenizer, req.input_ids, req.gen_config.skip_special_tokens
-            )
-        logprobs = [] if req.gen_config.logprobs is not None else None
-        self._states[req.session_id] = _RequestState(
-            req, seq, detok, logprobs, "" if detok else None
-        )
+        self.outputs.add(req, seq)
         self.scheduler.add_sequence(seq)
         if req.gen_config.num_beams > 1:
-            self.beam_search.add(seq, self.session_len)
+            self.beam_search.add(seq)
 
     def _finish_session(self, session_id: int, reason: str, error: str | None = None) -> None:
-        state = self._states.pop(session_id, None)
-        if state is None:
-            return
-        state.seq = self.beam_search.best_running(session_id) or state.seq
-        self.beam_search.abort(session_id)
-        self.scheduler.abort_sequence(state.seq)
-        self.model_agent.release(state.seq.seq_id)
-        resp = state.response(list(state.seq.generated_token_ids), reason)
-        resp.error = error
-        self.request_manager.publish(state.req, resp)
+        """End the session's request outside a step's results (cancelled, failed): free every
+        sequence it has, then give its caller the last Response. Safe on any session."""
+        best = self.beam_search.best_running(session_id)
+        final = self.outputs.finish(session_id, reason, error, best)
+        self.beam_search.finish(session_id)
+        self.scheduler.end_session(session_id)
+        if final is not None:
+            self.request_manager.deliver(*final)
 
-    def step(self) -> SchedulerOutput:
-        """One scheduling step: schedule, forward, sample, publish. A step that raises fails
-        the requests it ran (finish_reason "error", their blocks freed) and the engine goes
-        on; only a failure the engine cannot contain (tensor parallel ranks mid-collective,
-        or failures step after step) stops the loop."""
-        out = self.scheduler.schedule()
+    # ---- one step -------------------------------------------------------------------------------
+    def step(self) -> SchedulerOutput | None:
+        """Schedule, run, process outputs, update, publish. A fault in any of them fails the
+        requests of this step (finish_reason "error", their blocks freed) and the engine goes
+        on; only a failure it cannot contain (a tensor-parallel rank lost mid-step, or
+        failures step after step) stops the loop."""
+        out = None
         try:
-            self._run_step(out)
+            out = self.scheduler.schedule()
+            output = self.model_agent.execute(StepInput.from_output(out))
+            result = self.outputs.process(out, output)
+            self.scheduler.update(out, result.new_tokens, result.finished)
+            self.outputs.beam_responses(self.beam_search.advance(output.beam_rows), result)
+            self.request_manager.publish_many(result.responses)
+            self._forget(result.done_sessions)
+        except FatalEngineError:
+            raise
         except Exception as e:
-            self._failed_steps += 1
-            if self.engine_config.tp > 1 or self._failed_steps >= _MAX_FAILED_STEPS:
-                raise
-            logger.error("step failed; failing its requests:\n%s", traceback.format_exc())
-            message = f"{STEP_FAILED}: {type(e).__name__}: {e}"
-            for session_id in {item.seq.session_id for item in out.scheduled}:
-                self._finish_session(session_id, "error", message)
+            self._fail_step(out, e)
         else:
             self._failed_steps = 0
         return out
 
-    def _run_step(self, out: SchedulerOutput) -> None:
-        self.beam_search.before_forward(out)
-        results = self.model_agent.forward(out)
-        new_tokens: dict[int, list[int]] = {}
-        finished: list[Sequence] = []
-        published: list[tuple[AddRequest, Response]] = []
-        for item in out.scheduled:
-            res = results.get(item.seq.seq_id)
-            if res is None:
-                continue
-            state = self._states[item.seq.session_id]
-            accepted: list[int] = []  # speculative decoding: several tokens per step
-            for one in res if isinstance(res, list) else [res]:
-                reason = self._check_stop(state, one, len(accepted))
-                accepted.append(one.token_id)
-                if reason is not None:
-                    break
-            new_tokens[item.seq.seq_id] = accepted
-            token_ids = [*item.seq.generated_token_ids, *accepted]
-            response = state.response(token_ids, reason)
-            if self.engine_config.speculative is not None:
-                stats = self.model_agent.speculative_stats(item.seq.seq_id)
-                response.num_draft_tokens = stats["num_draft_tokens"]
-                response.num_accepted_tokens = stats["num_accepted_tokens"]
-            published.append((state.req, response))
-            if reason is not None:
-                finished.append(item.seq)
-                del self._states[item.seq.session_id]
-                self.model_agent.release(item.seq.seq_id)
-        self.scheduler.update(out, new_tokens, finished)
-        for session_id, group in self.beam_search.after_step(self.model_agent.beam_rows):
-            state = self._states.pop(session_id)
-            cfg = state.req.gen_config
-            self.beam_search.abort(session_id)
-            resp = self.beam_search.response(
-                group, cfg.skip_special_tokens, cfg.num_return_sequences
-            )
-            published.append((state.req, resp))
-        self.request_manager.publish_many(published)
+    def _forget(self, session_ids: Iterable[int]) -> None:
+        """Requests whose last Response is out: drop their state, free beams still held."""
+        for session_id in session_ids:
+            self.outputs.forget(session_id)
+            self.beam_search.finish(session_id)
 
-    def _check_stop(self, state: _RequestState, res: SampleResult, pending: int = 0) -> str | None:
-        """Record the sampled token in the request's text; return a finish reason or None.
-        `pending`: tokens already accepted this step before this one (speculative decoding)."""
-        seq, cfg, tok = state.seq, state.req.gen_config, res.token_id
-        if state.logprobs is not None:
-            state.logprobs.append(res.top_logprobs or {})
-        scan_from = len(state.text) if state.text is not None else 0
-        if state.detok is not None:
-            state.detok.add(tok)
-            state.text = state.detok.text
-        num_generated = seq.num_generated_tokens + pending + 1
-        if num_generated > cfg.min_new_tokens:
-            if not cfg.ignore_eos and tok in self.info.eos_token_ids:
-                return "stop"
-            if cfg.stop_token_ids and tok in cfg.stop_token_ids:
-                return "stop"
-            if cfg.stop_words and state.text is not None:
-                for word in cfg.stop_words:
-                    at = state.text.find(word, max(0, scan_from - len(word) + 1))
-                    if at >= 0:
-                        state.text = state.text[:at]
-                        return "stop"
-        if num_generated >= cfg.max_new_tokens or seq.num_tokens + pending + 1 >= self.session_len:
-            return "length"
-        return None
+    def _fail_step(self, out: SchedulerOutput | None, e: Exception) -> None:
+        """Fail every request the step touched (every live one when scheduling itself failed)
+        and free what they hold; if the scheduler is left inconsistent, or steps keep failing,
+        stop the loop (every waiting caller then gets an error)."""
+        self._failed_steps += 1
+        logger.error("step failed; failing its requests:\n%s", traceback.format_exc())
+        message = f"{STEP_FAILED}: {type(e).__name__}: {e}"
+        sessions = out.session_ids if out is not None else set(self.outputs.states)
+        for session_id in sorted(sessions):
+            self._finish_session(session_id, "error", message)
+        self.scheduler.check_integrity()
+        if self._failed_steps >= _MAX_FAILED_STEPS:
+            raise FatalEngineError(f"{_MAX_FAILED_STEPS} steps in a row failed: {message}")

@@ -1,35 +1,41 @@
-"""The ModelAgent: patched model, KV cache and sampler. SchedulerOutput -> one forward -> tokens.
+"""The ModelAgent: the model side of a step. StepInput -> one forward -> one ModelOutput.
 
-It reads the scheduled sequences but never mutates them: the results go back as plain Python
-values, and the Engine hands them to the Scheduler.
+    execute(inputs):
+        forget the state of sequences that ended        (inputs.finished_seq_ids)
+        propose drafts, append them to the chunks       (speculative decoding only)
+        logits = runner.run(inputs)                     (block moves, LoRA loads, forward)
+        sample, verify the drafts or take beam rows     -> ModelOutput
+
+Without tensor parallelism the runner is a local ModelRunner; with it (`TPModelAgent`) the
+runner first broadcasts the StepInput to the worker ranks, which run the same ModelRunner.
+Everything else (proposing, sampling, verifying) runs here, on rank 0, the same either way.
+The agent reads the step's inputs and never touches scheduler state.
 """
 
 from __future__ import annotations
 
-import itertools
-
 import torch
 
 from lmengine.config import EngineConfig
-from lmengine.engine.beam import split_beam_rows
 from lmengine.engine.cache_engine import CacheEngine, CacheSpec, derive_num_blocks
 from lmengine.engine.lora_pool import LoRAPool
-from lmengine.engine.sampling import Sampler, SampleResult
-from lmengine.engine.speculative import DraftModelProposer, Drafts, NgramProposer, Verifier
+from lmengine.engine.runner import ModelRunner
+from lmengine.engine.sampling import Sampler
+from lmengine.engine.speculative import Drafts, Proposer, Verifier, build_proposer
+from lmengine.engine.step import ModelOutput, SeqInput, SequenceOutput, StepInput
 from lmengine.kernels import cpu_ext
 from lmengine.models import patch
-from lmengine.models.context import StepContext, build_step_context, step_context
 from lmengine.models.model_info import ModelInfo
 from lmengine.quant import apply_quant_policy
-from lmengine.scheduler.scheduler import SchedulerOutput
 
 
 class ModelAgent:
-    """Owns the weights (patched in place), the CacheEngine and the Sampler."""
+    """Owns the ModelRunner (weights patched in place, KV cache, LoRA pool), the Sampler and,
+    with speculative decoding, the proposer and verifier."""
 
-    # speculative decoding (None when off): drafts tokens, then the verifier checks them
-    proposer: NgramProposer | DraftModelProposer | None = None
-    verifier: Verifier | None = None
+    runner: ModelRunner
+    proposer: Proposer | None = None  # speculative decoding: drafts tokens (None when off)
+    verifier: Verifier | None = None  # ... and checks them against the model
 
     def __init__(
         self,
@@ -38,156 +44,89 @@ class ModelAgent:
         engine_config: EngineConfig,
         device: torch.device,
     ) -> None:
-        self.model = apply_quant_policy(patch(model, engine_config.module_map), engine_config)
+        cfg = engine_config
+        model = apply_quant_policy(patch(model, cfg.module_map), cfg)
         if device.type == "cpu":
             cpu_ext.load()  # NOTE: build the compiled kernels now, not inside the first step
-        self.info = info
-        self.device = device
-        self.block_size = engine_config.block_size
-        dtype = next(model.parameters()).dtype
-        spec = CacheSpec(
-            info.num_layers,
-            info.num_kv_heads,
-            info.head_dim,
-            self.block_size,
-            dtype,
-            engine_config.kv_cache_dtype,
-        )
-        self.sampler = Sampler(info.eos_token_ids, device)
-        speculative = engine_config.speculative
-        draft = None
-        if speculative is not None and speculative.method == "draft_model":
-            draft = load_draft_model(speculative.draft_model, info, engine_config, device)
+        spec = CacheSpec.for_model(info, cfg, next(model.parameters()).dtype)
+        proposer = build_proposer(cfg, info, device)
         # NOTE: a draft model's cache uses the same block ids, so a block costs both caches
-        num_gpu_blocks = engine_config.num_gpu_blocks or derive_num_blocks(
-            spec, device, engine_config.cache_max_entry_count, *([draft[1]] if draft else [])
+        num_blocks = cfg.num_gpu_blocks or derive_num_blocks(
+            spec, device, cfg.cache_max_entry_count, *(proposer.cache_specs() if proposer else ())
         )
-        if num_gpu_blocks < 1:
+        if num_blocks < 1:
             raise ValueError("no memory left for even one KV block: lower the model size")
-        self.cache_engine = CacheEngine(spec, num_gpu_blocks, engine_config.num_cpu_blocks, device)
-        self.kv_token_bytes = spec.gather_token_bytes
-        self.lora = LoRAPool(self.model, device)  # no tensors until an adapter is added
-        if speculative is not None:
+        cache = CacheEngine(spec, num_blocks, cfg.num_cpu_blocks, device)
+        self._start(ModelRunner(model, cache, LoRAPool(model, device), device), info, proposer)
+
+    def _start(self, runner: ModelRunner, info: ModelInfo, proposer: Proposer | None) -> None:
+        """The part shared with TPModelAgent: the runner and everything around it."""
+        self.runner = runner
+        self.info = info
+        self.device = runner.device
+        self.sampler = Sampler(info.eos_token_ids, self.device)
+        if proposer is not None:
+            cache = runner.cache_engine
+            proposer.start(cache.num_gpu_blocks, cache.num_cpu_blocks, self.sampler)
+            self.proposer = proposer
             self.verifier = Verifier(self.sampler)
-            if draft is None:
-                self.proposer = NgramProposer(speculative)
-            else:
-                draft_model, draft_spec = draft
-                self.proposer = DraftModelProposer(
-                    draft_model,
-                    draft_spec,
-                    num_gpu_blocks,
-                    engine_config.num_cpu_blocks,
-                    self.sampler,
-                    device,
-                    draft_spec.gather_token_bytes,
-                )
+
+    # ---- what the engine reads ---------------------------------------------------------------
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.runner.model
+
+    @property
+    def cache_engine(self) -> CacheEngine:
+        return self.runner.cache_engine
+
+    @property
+    def lora(self) -> LoRAPool:
+        return self.runner.lora
 
     @property
     def num_gpu_blocks(self) -> int:
         return self.cache_engine.num_gpu_blocks
 
-    def prepare(
-        self, out: SchedulerOutput, drafts: Drafts | None = None
-    ) -> tuple[torch.Tensor, StepContext]:
-        """Pack the scheduled chunks (each followed by its draft tokens, if any) into one
-        token sequence and build the step context."""
-        items = out.scheduled
-        extra = drafts.tokens if drafts is not None else [[] for _ in items]
-        input_ids = torch.tensor(
-            list(itertools.chain.from_iterable(it.token_ids + d for it, d in zip(items, extra)))
-        )
-        q_lens = [it.num_new_tokens + len(d) for it, d in zip(items, extra)]
-        num_logits = None
-        if drafts is not None:  # logits at the last token and at every draft
-            num_logits = [1 + len(d) if it.needs_sample else 0 for it, d in zip(items, extra)]
-        ctx = build_step_context(
-            q_lens,
-            [it.start_pos for it in items],
-            [it.block_table for it in items],
-            [it.needs_sample for it in items],
-            self.block_size,
-            self.cache_engine.kv_caches,
-            self.device,
-            self.kv_token_bytes,
-            num_logits,
-        )
-        if out.adapter_plan is not None:
-            adapter_ids = [it.seq.adapter_id for it in items]
-            ctx.lora = self.lora.step(adapter_ids, torch.tensor(q_lens), out.adapter_plan)
-        return input_ids.to(self.device), ctx
+    def speculative_stats(self) -> dict | None:
+        """Acceptance statistics over all sequences; None when speculative decoding is off."""
+        return self.verifier.stats() if self.verifier is not None else None
 
+    # ---- one step ----------------------------------------------------------------------------
     @torch.inference_mode()
-    def forward(self, out: SchedulerOutput) -> dict[int, SampleResult | list[SampleResult]]:
-        """Run one step. Returns `seq_id -> SampleResult` for sequences that sample; with
-        speculative decoding, `seq_id -> [SampleResult, ...]`: accepted drafts, then one more.
-        The log-prob rows of beam-search sequences go to `self.beam_rows` instead."""
-        self.beam_rows: dict[int, torch.Tensor] = {}
-        self.cache_engine.swap_in(out.blocks_to_swap_in)
-        self.cache_engine.swap_out(out.blocks_to_swap_out)
-        self.cache_engine.copy(out.blocks_to_copy)
+    def execute(self, inputs: StepInput) -> ModelOutput:
+        for seq_id in inputs.finished_seq_ids:
+            self.sampler.release(seq_id)
+            if self.proposer is not None:
+                self.proposer.release(seq_id)
+        if inputs.is_noop:
+            return ModelOutput()
+        drafts = None
         if self.proposer is not None:
-            self.proposer.mirror(out)
-        if out.adapter_plan is not None:
-            self.lora.apply(out.adapter_plan)
-        if out.is_empty:
-            return {}
-        drafts = self.proposer.propose(out.scheduled) if self.proposer is not None else None
-        input_ids, ctx = self.prepare(out, drafts)
-        with step_context(ctx):
-            logits = self.model(input_ids)  # [num_samples, vocab]
+            drafts = self.proposer.propose(inputs)
+            for seq, tokens in zip(inputs.seqs, drafts.tokens):
+                seq.input_ids = seq.input_ids + tokens
+                seq.num_drafts = len(tokens)
+        logits = self.runner.run(inputs)  # [num_logits, vocab]
+        if logits is None:
+            return ModelOutput()
+        return self.sample(logits, inputs.seqs, drafts)
+
+    def sample(
+        self, logits: torch.Tensor, seqs: list[SeqInput], drafts: Drafts | None = None
+    ) -> ModelOutput:
+        """Turn a step's logits into its ModelOutput: verify drafts (speculative decoding),
+        take the beam-search rows out, sample the rest in one batch."""
         if drafts is not None:
-            return self.verifier.verify(logits, out.scheduled, drafts)
-        seqs = [it.seq for it in out.scheduled if it.needs_sample]
-        self.beam_rows, logits, seqs = split_beam_rows(logits, seqs, self.sampler)
-        if not seqs:
-            return {}
-        results = self.sampler.sample(logits, seqs)
-        return {seq.seq_id: res for seq, res in zip(seqs, results)}
-
-    def speculative_stats(self, seq_id: int | None = None) -> dict | None:
-        """Acceptance statistics: in total, or of one live sequence; None when speculative
-        decoding is off."""
-        if self.verifier is None:
-            return None
-        if seq_id is None:
-            return self.verifier.stats()
-        drafted, accepted = self.verifier.per_sequence.get(seq_id, (0, 0))
-        return {"num_draft_tokens": drafted, "num_accepted_tokens": accepted}
-
-    def release(self, seq_id: int) -> None:
-        self.sampler.release(seq_id)
-        if self.proposer is not None:
-            self.proposer.release(seq_id)
-            self.verifier.release(seq_id)
+            return ModelOutput(self.verifier.verify(logits, seqs, drafts))
+        sampling = [s for s in seqs if s.needs_sample]
+        beam_rows, logits, sampling = self.sampler.split_beam_rows(logits, sampling)
+        output = ModelOutput(beam_rows=beam_rows)
+        if sampling:
+            for seq, res in zip(sampling, self.sampler.sample(logits, sampling)):
+                logprobs = [res.top_logprobs] if res.top_logprobs is not None else None
+                output.sequences[seq.seq_id] = SequenceOutput([res.token_id], logprobs)
+        return output
 
     def close(self) -> None:
         """Release what outlives the engine loop (tensor-parallel workers); here nothing."""
-
-
-def load_draft_model(
-    path: str, info: ModelInfo, engine_config: EngineConfig, device: torch.device
-) -> tuple[torch.nn.Module, CacheSpec]:
-    """Load and patch the speculative draft model; its vocabulary must be the target's."""
-    from lmengine.engine.loader import load_model_and_tokenizer
-
-    model, _, _, _ = load_model_and_tokenizer(
-        path, engine_config.dtype, str(device.type), engine_config.trust_remote_code
-    )
-    draft_info = ModelInfo.from_hf(model.config)
-    if draft_info.vocab_size != info.vocab_size:
-        raise ValueError(
-            f"the draft model {path!r} has a vocabulary of {draft_info.vocab_size} tokens, "
-            f"the model {info.vocab_size}: a draft model must share the tokenizer"
-        )
-    model = patch(model, engine_config.module_map)
-    dtype = next(model.parameters()).dtype
-    spec = CacheSpec(
-        draft_info.num_layers,
-        draft_info.num_kv_heads,
-        draft_info.head_dim,
-        engine_config.block_size,
-        dtype,
-        engine_config.kv_cache_dtype,
-    )
-    return model, spec

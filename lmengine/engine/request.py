@@ -79,6 +79,11 @@ class RequestError(ValueError):
     """A request the engine refuses; its message is the `error` of the response."""
 
 
+class FatalEngineError(RuntimeError):
+    """A failure the engine cannot contain to one step (a tensor-parallel rank lost mid-step):
+    the loop stops and every waiting caller gets an error."""
+
+
 # the start of the error of a request whose step raised: an engine bug, not the request's fault
 STEP_FAILED = "the step running this request failed"
 
@@ -139,9 +144,6 @@ class RequestManager:
             except queue.Empty:
                 return items
 
-    def publish(self, req: AddRequest, response: Response) -> None:
-        self.publish_many([(req, response)])
-
     def publish_many(self, pairs: list[tuple[AddRequest, Response]]) -> None:
         """Deliver one step's responses. Requests that share a queue (a pipeline batch) get
         one list per step instead of one item per response.
@@ -166,6 +168,16 @@ class RequestManager:
                     self._outstanding.pop(id(req), None)
         for key, responses in by_queue.items():
             queues[key].put(responses[0] if len(responses) == 1 else responses)
+
+    def deliver(self, req: AddRequest, response: Response) -> None:
+        """Put one final Response straight into the request's queue (a refused, cancelled or
+        failed request): the failure path, which must not depend on `publish_many`, since
+        that may be what failed."""
+        response.index = req.index
+        response.session_id = req.session_id
+        with self._lock:
+            self._outstanding.pop(id(req), None)
+        req.response_queue.put(response)
 
     def close(self, reason: str) -> None:
         """Refuse new requests and answer every outstanding one with an error."""

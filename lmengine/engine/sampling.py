@@ -16,7 +16,6 @@ from dataclasses import dataclass
 import torch
 
 from lmengine.kernels import cpu_ext
-from lmengine.scheduler.sequence import Sequence
 
 
 @dataclass
@@ -115,7 +114,7 @@ class Sampler:
             self._generators[seq.seq_id] = gen
         return gen
 
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampleResult]:
+    def sample(self, logits: torch.Tensor, seqs: Seq) -> list[SampleResult]:
         """logits: [num_samples, vocab] float32, row i for seqs[i]."""
         cfgs = [s.gen_config for s in seqs]
         processed = self._apply_penalties(logits.clone(), seqs) if penalised(seqs) else logits
@@ -126,6 +125,28 @@ class Sampler:
             noise = self.exponential_noise(probs, [seqs[i] for i in sample_rows])
             tokens[sample_rows] = (probs / noise).argmax(-1)
         return self.results(logits, tokens.tolist(), cfgs)
+
+    def split_beam_rows(
+        self, logits: torch.Tensor, seqs: list
+    ) -> tuple[dict[int, torch.Tensor], torch.Tensor, list]:
+        """Take the beam-search rows out of a step's logits ([num_samples, vocab], row i for
+        seqs[i]). Returns (seq_id -> processed log-prob row [vocab], the other rows, their
+        seqs).
+
+        As transformers' beam search: log-softmax in float32, then the logits processors
+        (repetition penalty, no-repeat-ngram, min-new-tokens: `_apply_penalties`, in the same
+        order) on the log-probs."""
+        rows = [i for i, s in enumerate(seqs) if getattr(s.gen_config, "num_beams", 1) > 1]
+        if not rows:
+            return {}, logits, seqs
+        beam_seqs = [seqs[i] for i in rows]
+        log_probs = logits[rows].float().log_softmax(-1)  # [num_beam_rows, vocab]
+        log_probs = self._apply_penalties(log_probs, beam_seqs)
+        log_probs.masked_fill_(log_probs.isnan(), float("-inf"))  # 0 * -inf, extreme penalties
+        by_seq = {s.seq_id: log_probs[j] for j, s in enumerate(beam_seqs)}
+        taken = set(rows)
+        keep = [i for i in range(len(seqs)) if i not in taken]
+        return by_seq, logits[keep], [seqs[i] for i in keep]
 
     def probabilities(self, logits: torch.Tensor, seqs: Seq) -> torch.Tensor:
         """The distribution each row's token is drawn from, [num_rows, vocab]: after the
@@ -190,7 +211,7 @@ class Sampler:
                 out[row] = torch.rand(cols, generator=self._generator(seq), device=self.device)
         return out
 
-    def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def _apply_penalties(self, logits: torch.Tensor, seqs: Seq) -> torch.Tensor:
         """Repetition, presence and frequency penalties, banned n-grams and the stop tokens
         that min_new_tokens holds back, in place on `logits`; `penalised` says whether any
         of them applies."""

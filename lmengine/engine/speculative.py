@@ -1,10 +1,10 @@
 """Speculative decoding: draft proposers, and the verification that keeps the target exact.
 
 Each step, a decoding sequence that the Scheduler gave lookahead slots
-(`ScheduledSequence.num_lookahead`) gets up to that many draft tokens from a proposer. The
-ModelAgent then runs the sequence's last token and its drafts as one chunk through the target
-model, with logits at every position, and `verify` keeps the longest acceptable prefix of the
-drafts plus one token drawn after it:
+(`SeqInput.num_lookahead`) gets up to that many draft tokens from a proposer. The ModelAgent
+appends them to the sequence's chunk in the StepInput and runs the last token and its drafts
+as one chunk through the target model, with logits at every position, and `verify` keeps the
+longest acceptable prefix of the drafts plus one token drawn after it:
 
 - greedy requests keep drafts while each equals the target's argmax, then add the argmax at
   the first mismatch: the output is the non-speculative greedy output, token for token;
@@ -17,7 +17,8 @@ drafts plus one token drawn after it:
 Proposers: `NgramProposer` (prompt lookup: no model; q is a point mass on its draft) and
 `DraftModelProposer` (a smaller model with the same vocabulary, over its own paged KV cache
 that uses the target's block ids, so the Scheduler's block tables, swaps and copies serve
-both).
+both). Proposing and verifying run on rank 0; with tensor parallelism the drafts reach the
+other ranks inside the StepInput like any other token.
 """
 
 from __future__ import annotations
@@ -26,17 +27,19 @@ from dataclasses import dataclass
 
 import torch
 
-from lmengine.config import SpeculativeConfig
+from lmengine.config import EngineConfig, SpeculativeConfig
 from lmengine.engine.cache_engine import CacheEngine, CacheSpec
-from lmengine.engine.sampling import Sampler, SampleResult, greedy
+from lmengine.engine.sampling import Sampler, greedy
+from lmengine.engine.step import SeqInput, SequenceOutput, StepInput
+from lmengine.models import patch
 from lmengine.models.context import build_step_context, step_context
-from lmengine.scheduler.scheduler import ScheduledSequence, SchedulerOutput
+from lmengine.models.model_info import ModelInfo
 from lmengine.scheduler.sequence import TokenCounts
 
 
 @dataclass
 class Drafts:
-    """One step's proposals, aligned with `SchedulerOutput.scheduled`."""
+    """One step's proposals, aligned with `StepInput.seqs`."""
 
     tokens: list[list[int]]  # per scheduled item: its draft tokens (empty: none)
     # per item: [len(tokens[i]), vocab] draft distribution for sampling requests, None when
@@ -52,9 +55,16 @@ class NgramProposer:
         self.min_n = config.prompt_lookup_min
         self.max_n = config.prompt_lookup_max
 
-    def propose(self, items: list[ScheduledSequence]) -> Drafts:
-        tokens = [self.lookup(it.seq.token_ids, it.num_lookahead) for it in items]
-        return Drafts(tokens, [None] * len(items))
+    def cache_specs(self) -> list[CacheSpec]:
+        """No KV cache of its own."""
+        return []
+
+    def start(self, num_gpu_blocks: int, num_cpu_blocks: int, sampler: Sampler) -> None:
+        """Nothing to allocate."""
+
+    def propose(self, inputs: StepInput) -> Drafts:
+        tokens = [self.lookup(s.token_ids, s.num_lookahead) for s in inputs.seqs]
+        return Drafts(tokens, [None] * len(inputs.seqs))
 
     def lookup(self, token_ids: list[int], k: int) -> list[int]:
         if k <= 0:
@@ -68,9 +78,6 @@ class NgramProposer:
                 return token_ids[start : start + k]
         return []
 
-    def mirror(self, out: SchedulerOutput) -> None:
-        """No cache of its own."""
-
     def release(self, seq_id: int) -> None:
         """No per-sequence state."""
 
@@ -78,47 +85,42 @@ class NgramProposer:
 class DraftModelProposer:
     """A draft model over its own KV cache, addressed by the target's block ids.
 
-    Each step it first catches up with what the target computes this step (prompt chunks, and
-    the tokens accepted since it last ran), then drafts autoregressively, one token per
-    sequence per forward. `computed[seq_id]` counts the positions of the sequence whose draft
-    KV is valid; positions the target rewinds past are simply recomputed.
+    Each step it first applies the step's block copies and swaps to its cache, catches up with
+    what the target computes this step (prompt chunks, and the tokens accepted since it last
+    ran), then drafts autoregressively, one token per sequence per forward. `computed[seq_id]`
+    counts the positions of the sequence whose draft KV is valid; positions the target rewinds
+    past are simply recomputed. With tensor parallelism it runs whole on rank 0.
     """
 
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        spec: CacheSpec,
-        num_gpu_blocks: int,
-        num_cpu_blocks: int,
-        sampler: Sampler,
-        device: torch.device,
-        kv_token_bytes: int = 0,
-    ) -> None:
+    def __init__(self, model: torch.nn.Module, spec: CacheSpec, device: torch.device) -> None:
         self.model = model
-        self.cache_engine = CacheEngine(spec, num_gpu_blocks, num_cpu_blocks, device)
+        self.spec = spec
         self.block_size = spec.block_size
-        self.sampler = sampler
         self.device = device
-        self.kv_token_bytes = kv_token_bytes
+        self.kv_token_bytes = spec.gather_token_bytes
+        self.cache_engine: CacheEngine | None = None
+        self.sampler: Sampler | None = None
         self.computed: dict[int, int] = {}
 
-    def mirror(self, out: SchedulerOutput) -> None:
-        """The step's swaps and copies, applied to the draft cache as well."""
-        self.cache_engine.swap_in(out.blocks_to_swap_in)
-        self.cache_engine.swap_out(out.blocks_to_swap_out)
-        self.cache_engine.copy(out.blocks_to_copy)
+    def cache_specs(self) -> list[CacheSpec]:
+        return [self.spec]
+
+    def start(self, num_gpu_blocks: int, num_cpu_blocks: int, sampler: Sampler) -> None:
+        """Allocate the draft cache with the target's block counts."""
+        self.cache_engine = CacheEngine(self.spec, num_gpu_blocks, num_cpu_blocks, self.device)
+        self.sampler = sampler
 
     def release(self, seq_id: int) -> None:
         self.computed.pop(seq_id, None)
 
-    def _forward(self, chunks: list[tuple[ScheduledSequence, int, list[int]]]) -> torch.Tensor:
-        """One packed draft forward: (item, start position, tokens) per sequence; returns
+    def _forward(self, chunks: list[tuple[SeqInput, int, list[int]]]) -> torch.Tensor:
+        """One packed draft forward: (sequence, start position, tokens) per sequence; returns
         the logits of each chunk's last token, [len(chunks), vocab]."""
         input_ids = torch.tensor([t for _, _, toks in chunks for t in toks], device=self.device)
         ctx = build_step_context(
             [len(toks) for _, _, toks in chunks],
             [start for _, start, _ in chunks],
-            [it.block_table for it, _, _ in chunks],
+            [s.block_table for s, _, _ in chunks],
             [True] * len(chunks),
             self.block_size,
             self.cache_engine.kv_caches,
@@ -135,37 +137,74 @@ class DraftModelProposer:
         return (probs / noise).argmax(-1).tolist(), probs
 
     @torch.inference_mode()
-    def propose(self, items: list[ScheduledSequence]) -> Drafts:
-        tokens: list[list[int]] = [[] for _ in items]
-        probs: list[list[torch.Tensor]] = [[] for _ in items]
+    def propose(self, inputs: StepInput) -> Drafts:
+        self.cache_engine.apply(inputs)
+        seqs = inputs.seqs
+        tokens: list[list[int]] = [[] for _ in seqs]
+        probs: list[list[torch.Tensor]] = [[] for _ in seqs]
+        if not seqs:
+            return Drafts(tokens, [])
         # 1. catch up: every scheduled sequence runs what its draft KV lacks up to the end
         # of this step's chunk; drafting sequences sample their first draft from it
         chunks = []
-        for it in items:
-            end = it.start_pos + it.num_new_tokens
-            start = min(self.computed.get(it.seq.seq_id, it.start_pos), it.start_pos)
-            chunks.append((it, start, it.seq.token_ids[start:end]))
-            self.computed[it.seq.seq_id] = end
+        for s in seqs:
+            end = s.start_pos + s.num_new_tokens
+            start = min(self.computed.get(s.seq_id, s.start_pos), s.start_pos)
+            chunks.append((s, start, s.token_ids[start:end]))
+            self.computed[s.seq_id] = end
         logits = self._forward(chunks)
-        drafting = [i for i, it in enumerate(items) if it.num_lookahead > 0]
-        for step in range(max((items[i].num_lookahead for i in drafting), default=0)):
+        drafting = [i for i, s in enumerate(seqs) if s.num_lookahead > 0]
+        for step in range(max((seqs[i].num_lookahead for i in drafting), default=0)):
             if step > 0:  # 2. one more draft token per sequence that wants one
-                drafting = [i for i in drafting if items[i].num_lookahead > step]
+                drafting = [i for i in drafting if seqs[i].num_lookahead > step]
                 chunks = []
                 for i in drafting:
-                    it = items[i]
-                    pos = it.start_pos + it.num_new_tokens + step - 1
-                    chunks.append((it, pos, [tokens[i][-1]]))
-                    self.computed[it.seq.seq_id] = pos + 1
+                    s = seqs[i]
+                    pos = s.start_pos + s.num_new_tokens + step - 1
+                    chunks.append((s, pos, [tokens[i][-1]]))
+                    self.computed[s.seq_id] = pos + 1
                 logits = self._forward(chunks)
             else:
                 logits = logits[drafting]
-            drawn, p = self._draw(logits, [items[i].seq for i in drafting])
+            drawn, p = self._draw(logits, [seqs[i] for i in drafting])
             for row, i in enumerate(drafting):
                 tokens[i].append(drawn[row])
-                if items[i].seq.gen_config.do_sample:
+                if seqs[i].gen_config.do_sample:
                     probs[i].append(p[row])
         return Drafts(tokens, [torch.stack(p) if p else None for p in probs])
+
+
+Proposer = NgramProposer | DraftModelProposer
+
+
+def build_proposer(cfg: EngineConfig, info: ModelInfo, device: torch.device) -> Proposer | None:
+    """The proposer `cfg.speculative` asks for (loading the draft model), or None."""
+    spec = cfg.speculative
+    if spec is None:
+        return None
+    if spec.method != "draft_model":
+        return NgramProposer(spec)
+    model, draft_spec = load_draft_model(spec.draft_model, info, cfg, device)
+    return DraftModelProposer(model, draft_spec, device)
+
+
+def load_draft_model(
+    path: str, info: ModelInfo, engine_config: EngineConfig, device: torch.device
+) -> tuple[torch.nn.Module, CacheSpec]:
+    """Load and patch the speculative draft model; its vocabulary must be the target's."""
+    from lmengine.engine.loader import load_model_and_tokenizer
+
+    model, _, _, _ = load_model_and_tokenizer(
+        path, engine_config.dtype, str(device.type), engine_config.trust_remote_code
+    )
+    draft_info = ModelInfo.from_hf(model.config)
+    if draft_info.vocab_size != info.vocab_size:
+        raise ValueError(
+            f"the draft model {path!r} has a vocabulary of {draft_info.vocab_size} tokens, "
+            f"the model {info.vocab_size}: a draft model must share the tokenizer"
+        )
+    model = patch(model, engine_config.module_map)
+    return model, CacheSpec.for_model(draft_info, engine_config, next(model.parameters()).dtype)
 
 
 class _WithDrafts(TokenCounts):
@@ -225,17 +264,13 @@ def rejection_sample(
 
 class Verifier:
     """Turns the target's logits over drafted chunks into accepted tokens, and keeps the
-    acceptance statistics (per sequence and in total)."""
+    acceptance statistics in total (each step's per-sequence counts go out in its output)."""
 
     def __init__(self, sampler: Sampler) -> None:
         self.sampler = sampler
-        self.per_sequence: dict[int, list[int]] = {}  # seq_id -> [drafted, accepted]
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.num_verified_sequences = 0  # sequence-steps that had drafts
-
-    def release(self, seq_id: int) -> None:
-        self.per_sequence.pop(seq_id, None)
 
     def stats(self) -> dict:
         return {
@@ -247,15 +282,15 @@ class Verifier:
         }
 
     def verify(
-        self, logits: torch.Tensor, items: list[ScheduledSequence], drafts: Drafts
-    ) -> dict[int, list[SampleResult]]:
-        """logits: [rows, vocab], for each sampling item 1 + len(drafts) rows in order."""
+        self, logits: torch.Tensor, items: list[SeqInput], drafts: Drafts
+    ) -> dict[int, SequenceOutput]:
+        """logits: [rows, vocab], for each sampling item 1 + len(drafts) rows in order.
+        Returns seq_id -> the accepted drafts and one token after them."""
         seqs, draft_lists, qs, views, first_row = [], [], [], [], []
         row = 0
-        for it, toks, q in zip(items, drafts.tokens, drafts.probs):
-            if not it.needs_sample:
+        for seq, toks, q in zip(items, drafts.tokens, drafts.probs):
+            if not seq.needs_sample:
                 continue
-            seq = it.seq
             seqs.append(seq)
             draft_lists.append(toks)
             qs.append(q)
@@ -314,17 +349,18 @@ class Verifier:
             acc, tok = rejection_sample(p, q, drafts_t[s_idx], num_drafts[s_idx], uniform, noise)
             num_accepted[s_idx] = acc
             next_token[s_idx] = tok
-        results: dict[int, list[SampleResult]] = {}
+        results: dict[int, SequenceOutput] = {}
         acc_list, next_list = num_accepted.tolist(), next_token.tolist()
         for b, seq in enumerate(seqs):
             m = acc_list[b]
             out_tokens = [*draft_lists[b][:m], next_list[b]]
             rows = logits[first_row[b] : first_row[b] + m + 1]
-            results[seq.seq_id] = self.sampler.results(rows, out_tokens, [seq.gen_config] * (m + 1))
+            sampled_rows = self.sampler.results(rows, out_tokens, [seq.gen_config] * (m + 1))
+            logprobs = None
+            if seq.gen_config.logprobs is not None:
+                logprobs = [r.top_logprobs for r in sampled_rows]
+            results[seq.seq_id] = SequenceOutput(out_tokens, logprobs, len(draft_lists[b]), m)
             if draft_lists[b]:
-                stat = self.per_sequence.setdefault(seq.seq_id, [0, 0])
-                stat[0] += len(draft_lists[b])
-                stat[1] += m
                 self.num_draft_tokens += len(draft_lists[b])
                 self.num_accepted_tokens += m
                 self.num_verified_sequences += 1

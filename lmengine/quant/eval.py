@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
 
+from lmengine.engine.step import SeqInput, StepInput
 from lmengine.models.context import step_context
 
 
@@ -33,7 +33,7 @@ def perplexity(engine, token_ids: list[int], window: int = 128, max_windows: int
         if stats["num_free_blocks"] != stats["num_total_blocks"]:
             raise RuntimeError("perplexity needs an idle engine: some KV blocks are in use")
         agent = engine.model_agent
-        bs = agent.block_size
+        bs = agent.cache_engine.spec.block_size
         blocks_per_window = math.ceil(window / bs)
         if blocks_per_window * num_windows > agent.num_gpu_blocks:
             raise ValueError(
@@ -41,17 +41,11 @@ def perplexity(engine, token_ids: list[int], window: int = 128, max_windows: int
                 f"{blocks_per_window * num_windows} KV blocks; the engine has "
                 f"{agent.num_gpu_blocks}"
             )
-        items = [
-            SimpleNamespace(
-                token_ids=w,
-                start_pos=0,
-                num_new_tokens=window,
-                needs_sample=True,
-                block_table=list(range(i * blocks_per_window, (i + 1) * blocks_per_window)),
-            )
+        seqs = [
+            SeqInput(i, 0, w, list(range(i * blocks_per_window, (i + 1) * blocks_per_window)), True)
             for i, w in enumerate(windows)
         ]
-        input_ids, ctx = agent.prepare(SimpleNamespace(scheduled=items, adapter_plan=None))
+        input_ids, ctx = agent.runner.prepare(StepInput(seqs))
         ctx.logits_indices = torch.arange(input_ids.shape[0], device=input_ids.device)
         with torch.inference_mode(), step_context(ctx):
             logits = agent.model(input_ids).float()  # [num_windows * window, vocab]

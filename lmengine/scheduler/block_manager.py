@@ -172,6 +172,29 @@ class BlockManager:
         self.host.free(seq.host_block_table)
         seq.host_block_table = []
 
+    # ---- fork (beam search) --------------------------------------------------------------------
+    def can_fork(self, parent: Sequence) -> bool:
+        """Whether a child of `parent` can get its KV now: a free block for the copy of the
+        parent's partial last block, if it has one."""
+        return self.device.num_free >= (1 if parent.num_computed_tokens % self.block_size else 0)
+
+    def fork(self, parent: Sequence, child: Sequence) -> tuple[int, int] | None:
+        """Give `child` (no blocks yet) the parent's computed KV: the full blocks by reference,
+        a new block for the partial last one. Returns (src, dst) of that block, whose contents
+        must be copied before the child's next step, or None when there is no partial block."""
+        num_computed = parent.num_computed_tokens
+        num_full, partial = divmod(num_computed, self.block_size)
+        for block_id in parent.block_table[:num_full]:
+            self.device.acquire(block_id)
+        child.block_table = parent.block_table[:num_full]
+        child.block_keys = parent.block_keys[:num_full]
+        child.num_computed_tokens = num_computed
+        if not partial:
+            return None
+        (dst,) = self.device.allocate(1)
+        child.block_table.append(dst)
+        return parent.block_table[num_full], dst
+
     # ---- swap --------------------------------------------------------------------------------
     def num_cached_blocks(self, seq: Sequence) -> int:
         """Device blocks that hold computed KV (the rest of the table has no data yet)."""

@@ -18,65 +18,32 @@ Serving order = QoS groups (when on), then tenant shares, then the policy's rank
 With prefix caching (BlockManager(enable_prefix_caching=True)) a waiting sequence first takes
 the cached blocks of its longest cached prefix and starts computing after them; each step's
 newly full blocks are published in `update` (see prefix_cache.py).
+
+The Scheduler is the only writer of its queues and of the block pools. Others ask it:
+`add_sequence`, `abort_sequence`, `end_session`, and for beam search `fork` (a sequence that
+shares its parent's KV blocks), `append_token`, `park` and `requeue` (preempt by recompute).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 
-from lmengine.scheduler.adapter_manager import AdapterManager, AdapterPlan
+from lmengine.scheduler.adapter_manager import AdapterManager
 from lmengine.scheduler.block_manager import BlockManager
+from lmengine.scheduler.ordering import ServingOrder
+from lmengine.scheduler.output import ScheduledSequence, SchedulerOutput
 from lmengine.scheduler.policies import Policy
 from lmengine.scheduler.qos import QoS
 from lmengine.scheduler.sequence import Sequence, SequenceStatus
 
-
-@dataclass
-class ScheduledSequence:
-    """One sequence's share of a step."""
-
-    seq: Sequence
-    start_pos: int  # tokens already in the cache = position of the first token computed now
-    num_new_tokens: int  # tokens computed this step: seq.token_ids[start_pos:start_pos + n]
-    needs_sample: bool  # this chunk reaches the sequence's last token: sample the next one
-    num_lookahead: int = 0  # speculative decoding: slots allocated past the chunk for drafts
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self.seq.token_ids[self.start_pos : self.start_pos + self.num_new_tokens]
-
-    @property
-    def block_table(self) -> list[int]:
-        return self.seq.block_table
-
-
-@dataclass
-class SchedulerOutput:
-    """Everything the ModelAgent needs for one step, and what the step decided."""
-
-    scheduled: list[ScheduledSequence] = field(default_factory=list)  # batch, in packed order
-    num_batched_tokens: int = 0  # sum of num_new_tokens
-    num_prefill_tokens: int = 0  # tokens of chunks longer than one token
-    preempted: list[Sequence] = field(default_factory=list)  # preempted by recompute this step
-    swapped_out: list[Sequence] = field(default_factory=list)  # preempted by swap this step
-    swapped_in: list[Sequence] = field(default_factory=list)  # resumed from the host this step
-    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device)
-    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
-    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) device
-    adapter_plan: AdapterPlan | None = None  # LoRA loads, page tables of scheduled adapters
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
+__all__ = ["ScheduledSequence", "Scheduler", "SchedulerOutput"]
 
 
 class Scheduler:
     """Owns the waiting, running and swapped queues, the sessions and the BlockManager.
 
-    Never touches tensors. The engine calls `add_sequence`, `schedule`, `update` and
-    `abort_sequence` from its loop thread only.
+    Never touches tensors. Every method runs on the engine's loop thread only.
     """
 
     def __init__(
@@ -104,6 +71,7 @@ class Scheduler:
         self.clock = clock
         self.eviction_type = eviction_type
         self.qos = qos
+        self.serving = ServingOrder(policy, qos)
         self.adapter_manager = adapter_manager
         self.num_lookahead_slots = num_lookahead_slots
         self.max_seq_len = max_seq_len
@@ -119,25 +87,30 @@ class Scheduler:
         self.num_arrival_preemptions = 0  # running ones preempted to make room for a waiting one
         self.num_computed_prompt_tokens = 0  # prompt tokens run through the model (prefill)
         self.num_prefix_cached_tokens = 0  # prompt tokens taken from the prefix cache instead
+        self.num_forks = 0  # sequences forked from another (beam search)
+        self.num_shared_blocks = 0  # full blocks a fork took by reference instead of a copy
+        self.num_cow_copies = 0  # partial last blocks copied for a fork
         self._prefill_budget = 0
+        self._pending_copies: list[tuple[int, int, Sequence]] = []  # (src, dst, fork) to emit
+        self._finished_seq_ids: list[int] = []  # ended since the last schedule
 
     # ---- admission and removal -------------------------------------------------------------
     def add_sequence(self, seq: Sequence) -> None:
         """Queue a new sequence. With QoS on, an unplaceable user raises QoSError."""
         if self.qos is not None:
             seq.tenant = self.qos.tenant(seq.user_id)
+        if seq.max_seq_len is None:
+            seq.max_seq_len = self.max_seq_len
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
         self.sessions.setdefault(seq.session_id, []).append(seq)
 
     def abort_sequence(self, seq: Sequence) -> None:
-        """Remove `seq` wherever it is and free its blocks (finished, cancelled, failed)."""
-        if seq.status == SequenceStatus.RUNNING:
-            self.running.remove(seq)
-        elif seq.status == SequenceStatus.WAITING:
-            self.waiting.remove(seq)
-        elif seq.status == SequenceStatus.SWAPPED:
-            self.swapped.remove(seq)
+        """Remove `seq` wherever it is and free its blocks (finished, cancelled, failed).
+        Idempotent, and safe on a sequence a failed step left half-moved between queues."""
+        if seq.status != SequenceStatus.FINISHED:
+            self._finished_seq_ids.append(seq.seq_id)
+        self._dequeue(seq)
         self.block_manager.free(seq)
         if self.adapter_manager is not None:
             self.adapter_manager.release(seq)
@@ -147,6 +120,11 @@ class Scheduler:
             live.remove(seq)
             if not live:  # NOTE: forget idle sessions, or every request would leave a key
                 del self.sessions[seq.session_id]
+
+    def _dequeue(self, seq: Sequence) -> None:  # from whichever queue holds it
+        for queue in (self.running, self.waiting, self.swapped):
+            if seq in queue:
+                queue.remove(seq)
 
     def end_session(self, session_id: int) -> list[Sequence]:
         """Abort every live sequence of the session and forget it; returns the aborted ones."""
@@ -162,37 +140,22 @@ class Scheduler:
     def live_sequences(self) -> Iterable[Sequence]:
         return [*self.running, *self.waiting, *self.swapped]
 
-    # ---- ordering ----------------------------------------------------------------------------
-    def order(self, seqs: list[Sequence], now: float) -> list[Sequence]:
-        """Serving order: QoS group and tenant share first (when on), then the policy."""
-        if self.qos is not None:
-            return self.qos.order(seqs, self.policy, now)
-        return self.policy.order(seqs, now)
-
-    def victim(self, seqs: list[Sequence], now: float) -> Sequence:
-        """The sequence to preempt among `seqs`: the last in serving order."""
-        if self.qos is not None:
-            return self.order(seqs, now)[-1]
-        return self.policy.victim(seqs, now)
-
-    def outranks(self, seq: Sequence, running: Sequence, now: float) -> bool:
-        """Whether waiting `seq` may preempt `running` when there is no room for it: a higher
-        QoS group always may; within one tenant (or without QoS) only if the policy says so."""
-        if self.qos is not None:
-            decided = self.qos.outranks(seq, running)
-            if decided is not None:
-                return decided
-        return self.policy.preempts_running and self.policy.outranks(seq, running, now)
-
     # ---- one step ----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         now = self.clock()
-        out = SchedulerOutput()
+        out = SchedulerOutput(finished_seq_ids=self._finished_seq_ids)
+        self._finished_seq_ids = []
         self._prefill_budget = self.max_prefill_token_num
         bm = self.block_manager
+        # last step's forks: their partial blocks are copied before anything else moves
+        for src, dst, child in self._pending_copies:
+            if dst in child.block_table:
+                out.blocks_to_copy.append((src, dst))
+                self.num_cow_copies += 1
+        self._pending_copies = []
 
         # 1. running sequences, best first; victims come from the tail
-        queue = self.order(self.running, now)
+        queue = self.serving.order(self.running, now)
         kept: list[Sequence] = []
         while queue:
             seq = queue.pop(0)
@@ -202,7 +165,7 @@ class Scheduler:
                 continue
             num_slots = seq.num_computed_tokens + num_new + self._lookahead(seq, num_new)
             while not bm.can_allocate(seq, num_slots):
-                victim = self.victim(queue, now) if queue else seq
+                victim = self.serving.victim(queue, now) if queue else seq
                 self._preempt(victim, out)
                 if victim is seq:
                     break
@@ -237,9 +200,7 @@ class Scheduler:
             return 0
         if seq.num_computed_tokens + 1 != seq.num_tokens:
             return 0
-        room = seq.max_new_tokens - seq.num_generated_tokens - 1
-        if self.max_seq_len is not None:
-            room = min(room, self.max_seq_len - seq.num_tokens - 1)
+        room = seq.max_num_tokens - seq.num_tokens - 1
         return max(0, min(self.num_lookahead_slots, room))
 
     def _unpark_one(self, out: SchedulerOutput, now: float) -> None:
@@ -254,7 +215,7 @@ class Scheduler:
         parked = [s for s in self.running if s.parked]
         if not parked:
             return
-        victim = self.victim(parked, now)
+        victim = self.serving.victim(parked, now)
         self.running.remove(victim)
         self._preempt(victim, out)
         self._admit(out, now)
@@ -262,7 +223,7 @@ class Scheduler:
     def _admit(self, out: SchedulerOutput, now: float) -> None:
         bm = self.block_manager
         admitted: set[int] = set()
-        for seq in self.order([*self.swapped, *self.waiting], now):
+        for seq in self.serving.order([*self.swapped, *self.waiting], now):
             if seq.parked:
                 continue  # wants no slot until it is moved on
             is_swapped = seq.status == SequenceStatus.SWAPPED
@@ -330,11 +291,13 @@ class Scheduler:
         it; otherwise preempt nobody. Returns whether anything was preempted."""
         bm = self.block_manager
         candidates = [
-            r for r in self.running if r.seq_id not in admitted and self.outranks(seq, r, now)
+            r
+            for r in self.running
+            if r.seq_id not in admitted and self.serving.outranks(seq, r, now)
         ]
         if not candidates:
             return False
-        order = self.order(candidates, now)
+        order = self.serving.order(candidates, now)
         need_blocks = max(len(seq.host_block_table), -(-num_tokens // bm.block_size))
         need_blocks -= len(seq.block_table) + bm.num_free_blocks
         need_slots = len(self.running) + 1 - self.max_batch_size
@@ -392,13 +355,59 @@ class Scheduler:
             self.num_swap_outs += 1
             self.num_swapped_blocks += len(pairs)
             return
-        # recompute: drop the KV, requeue; the tokens are prefilled again
-        bm.free(seq)
+        self._recompute(seq)
+        out.preempted.append(seq)
+
+    def _recompute(self, seq: Sequence) -> None:
+        """Preempt by recompute: drop the KV, requeue; the tokens are prefilled again."""
+        self.block_manager.free(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
         self.num_recomputes += 1
-        out.preempted.append(seq)
+
+    # ---- requests from beam search ------------------------------------------------------------
+    def requeue(self, seq: Sequence) -> None:
+        """Send a live sequence back to the waiting queue to be recomputed from scratch."""
+        self._dequeue(seq)
+        self._recompute(seq)
+
+    def park(self, seq: Sequence, parked: bool) -> None:
+        """A parked sequence has nothing to compute until its owner moves it on: it is never
+        admitted, and it is the first to give its blocks back when nothing else can run."""
+        seq.parked = parked
+
+    def append_token(self, seq: Sequence, token_id: int) -> None:
+        """Extend a live sequence by one token chosen outside the sampler (a beam's)."""
+        seq.token_ids.append(token_id)
+
+    def fork(self, parent: Sequence, token_id: int, seq_id: int) -> Sequence:
+        """A new sequence `seq_id` continuing `parent` with `token_id` (not yet computed).
+
+        When the parent's KV is all on the device and a block is free, the child shares the
+        parent's full blocks by reference and gets a copy of its partial last block (emitted
+        in the next step's `blocks_to_copy`): it then only computes `token_id`. Otherwise it
+        waits to be computed from scratch."""
+        child = parent.fork(seq_id, token_id)
+        self.num_forks += 1
+        self.sessions.setdefault(child.session_id, []).append(child)
+        on_device = (
+            parent.status == SequenceStatus.RUNNING
+            and parent.num_computed_tokens == parent.num_tokens
+        )
+        adapters = self.adapter_manager
+        if on_device and self.block_manager.can_fork(parent):
+            if adapters is None or adapters.acquire(child):
+                copy = self.block_manager.fork(parent, child)
+                self.num_shared_blocks += len(child.block_table) - (copy is not None)
+                if copy is not None:
+                    self._pending_copies.append((*copy, child))
+                child.status = SequenceStatus.RUNNING
+                self.running.append(child)
+                return child
+        child.status = SequenceStatus.WAITING
+        self.waiting.append(child)
+        return child
 
     def update(
         self,
@@ -441,14 +450,7 @@ class Scheduler:
             "num_total_blocks": bm.device.num_blocks,
             "num_free_cpu_blocks": bm.host.num_free,
             "num_total_cpu_blocks": bm.host.num_blocks,
-            "num_preemptions": self.num_preemptions,
-            "num_recomputes": self.num_recomputes,
-            "num_swap_outs": self.num_swap_outs,
-            "num_swap_ins": self.num_swap_ins,
-            "num_swapped_blocks": self.num_swapped_blocks,
-            "num_arrival_preemptions": self.num_arrival_preemptions,
-            "num_computed_prompt_tokens": self.num_computed_prompt_tokens,
-            "num_prefix_cached_tokens": self.num_prefix_cached_tokens,
+            **{name: getattr(self, name) for name in _COUNTERS},
         }
         if bm.prefix_cache is not None:
             stats["num_prefix_cached_blocks"] = len(bm.prefix_cache)
@@ -477,6 +479,12 @@ class Scheduler:
         self.block_manager.check_integrity(self.live_sequences())
         if self.adapter_manager is not None:
             self.adapter_manager.check_integrity(self.live_sequences())
+
+
+# the counters `stats` reports (attributes of the Scheduler, see __init__)
+_COUNTERS = """num_preemptions num_recomputes num_swap_outs num_swap_ins num_swapped_blocks
+num_arrival_preemptions num_computed_prompt_tokens num_prefix_cached_tokens num_forks
+num_shared_blocks num_cow_copies""".split()
 
 
 def _num_prompt_tokens(seq: Sequence, start: int, num_new: int) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import time
 from dataclasses import dataclass, field
@@ -13,6 +14,13 @@ class SequenceStatus(enum.Enum):
     RUNNING = "running"  # holds device blocks
     SWAPPED = "swapped"  # preempted by swap: its KV blocks are on the host pool
     FINISHED = "finished"
+
+
+def token_limit(num_prompt_tokens: int, max_new_tokens: int, max_seq_len: int | None) -> int:
+    """The length limit, in one place: a sequence ends ("length") when it holds this many
+    tokens: its prompt plus `max_new_tokens`, and never more than `max_seq_len`."""
+    limit = num_prompt_tokens + max_new_tokens
+    return limit if max_seq_len is None else min(limit, max_seq_len)
 
 
 class TokenCounts:
@@ -63,6 +71,7 @@ class Sequence(TokenCounts):
     # of this round is in, waiting for its group's other beams): never admitted while parked,
     # and the first to give its blocks back when nothing else can run
     parked: bool = False
+    max_seq_len: int | None = None  # the engine's session_len (set by the Scheduler)
 
     def __post_init__(self) -> None:
         if self.num_prompt_tokens < 0:
@@ -71,6 +80,27 @@ class Sequence(TokenCounts):
     @property
     def max_new_tokens(self) -> int:
         return self.gen_config.max_new_tokens
+
+    @property
+    def max_num_tokens(self) -> int:
+        """Tokens the sequence may hold at most (`token_limit`)."""
+        return token_limit(self.num_prompt_tokens, self.gen_config.max_new_tokens, self.max_seq_len)
+
+    def fork(self, seq_id: int, token_id: int) -> Sequence:
+        """A new waiting sequence of the same request: these tokens and then `token_id`, no
+        blocks, nothing computed (the Scheduler's `fork` gives it its parent's KV)."""
+        return dataclasses.replace(
+            self,
+            seq_id=seq_id,
+            token_ids=[*self.token_ids, token_id],
+            status=SequenceStatus.WAITING,
+            num_computed_tokens=0,
+            block_table=[],
+            host_block_table=[],
+            block_keys=[],
+            num_preemptions=0,
+            parked=False,
+        )
 
     @property
     def is_finished(self) -> bool:

@@ -1,0 +1,183 @@
+"""The output stage: a step's ModelOutput becomes tokens for the Scheduler and Responses.
+
+Everything between the model's results and what a caller reads happens here, once: stop
+checks (EOS, stop tokens, stop words, the length limit), incremental detokenization,
+logprobs, speculative draft counts, and the final Response of a beam-search request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from lmengine.engine.beam import BeamGroup
+from lmengine.engine.detokenize import IncrementalDetokenizer
+from lmengine.engine.request import AddRequest, Response
+from lmengine.engine.step import ModelOutput
+from lmengine.scheduler.output import SchedulerOutput
+from lmengine.scheduler.sequence import Sequence
+
+
+@dataclass(eq=False)
+class RequestState:
+    """Engine-side state of one running request: its sequence, text, logprobs, draft counts."""
+
+    req: AddRequest
+    seq: Sequence
+    detok: IncrementalDetokenizer | None
+    logprobs: list[dict[int, float]] | None  # per generated token, when asked
+    text: str | None = None
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    def visible_text(self, finished: bool) -> str | None:
+        """Text safe to show: while running, hold back a tail that may start a stop word."""
+        words = self.req.gen_config.stop_words
+        if finished or not words or self.text is None:
+            return self.text
+        hold = max(len(w) for w in words) - 1
+        return self.text[: max(0, len(self.text) - hold)]
+
+    def response(self, token_ids: list[int], finish_reason: str | None) -> Response:
+        return Response(
+            text=self.visible_text(finish_reason is not None),
+            token_ids=token_ids,
+            finish_reason=finish_reason,
+            input_token_len=self.seq.num_prompt_tokens,
+            generate_token_len=len(token_ids),
+            logprobs=list(self.logprobs) if self.logprobs is not None else None,
+            num_draft_tokens=self.num_draft_tokens,
+            num_accepted_tokens=self.num_accepted_tokens,
+        )
+
+
+@dataclass
+class StepResult:
+    """What the output stage made of one step."""
+
+    new_tokens: dict[int, list[int]] = field(default_factory=dict)  # seq_id -> tokens to append
+    finished: list[Sequence] = field(default_factory=list)  # sequences that end with this step
+    responses: list[tuple[AddRequest, Response]] = field(default_factory=list)
+    done_sessions: list[int] = field(default_factory=list)  # requests that end with this step
+
+
+class OutputProcessor:
+    """Holds the state of every running request (by session id) and turns each step's
+    results into Responses. Never touches the model, and changes no scheduler state: the
+    tokens and finished sequences it returns go to `Scheduler.update`."""
+
+    def __init__(self, tokenizer, eos_token_ids: list[int]) -> None:
+        self.tokenizer = tokenizer
+        self.eos_token_ids = set(eos_token_ids)
+        self.states: dict[int, RequestState] = {}  # session_id -> running request
+
+    def add(self, req: AddRequest, seq: Sequence) -> None:
+        detok = None
+        if self.tokenizer is not None:
+            cfg = req.gen_config
+            detok = IncrementalDetokenizer(self.tokenizer, req.input_ids, cfg.skip_special_tokens)
+        logprobs = [] if req.gen_config.logprobs is not None else None
+        text = "" if detok is not None else None
+        self.states[req.session_id] = RequestState(req, seq, detok, logprobs, text)
+
+    def process(self, out: SchedulerOutput, output: ModelOutput) -> StepResult:
+        """Check every sampled token for a stop, in order (with speculative decoding, tokens
+        after a stop are dropped), and build one Response per request that sampled."""
+        result = StepResult()
+        for item in out.scheduled:
+            seq = item.seq
+            res = output.sequences.get(seq.seq_id)
+            if res is None:
+                continue
+            state = self.states[seq.session_id]
+            accepted: list[int] = []
+            reason = None
+            for i, token_id in enumerate(res.token_ids):
+                logprobs = res.logprobs[i] if res.logprobs is not None else None
+                reason = self._check_stop(state, token_id, logprobs, len(accepted))
+                accepted.append(token_id)
+                if reason is not None:
+                    break
+            result.new_tokens[seq.seq_id] = accepted
+            state.num_draft_tokens += res.num_draft_tokens
+            state.num_accepted_tokens += res.num_accepted_tokens
+            response = state.response([*seq.generated_token_ids, *accepted], reason)
+            result.responses.append((state.req, response))
+            if reason is not None:
+                result.finished.append(seq)
+                result.done_sessions.append(seq.session_id)
+        return result
+
+    def _check_stop(
+        self, state: RequestState, token_id: int, logprobs: dict | None, pending: int
+    ) -> str | None:
+        """Record a sampled token in the request's text and logprobs; return a finish reason
+        or None. `pending`: tokens accepted before this one in the same step (speculative)."""
+        seq, cfg = state.seq, state.req.gen_config
+        if state.logprobs is not None:
+            state.logprobs.append(logprobs or {})
+        scan_from = len(state.text) if state.text is not None else 0
+        if state.detok is not None:
+            state.detok.add(token_id)
+            state.text = state.detok.text
+        if seq.num_generated_tokens + pending + 1 > cfg.min_new_tokens:
+            if not cfg.ignore_eos and token_id in self.eos_token_ids:
+                return "stop"
+            if cfg.stop_token_ids and token_id in cfg.stop_token_ids:
+                return "stop"
+            if cfg.stop_words and state.text is not None:
+                for word in cfg.stop_words:
+                    at = state.text.find(word, max(0, scan_from - len(word) + 1))
+                    if at >= 0:
+                        state.text = state.text[:at]
+                        return "stop"
+        if seq.num_tokens + pending + 1 >= seq.max_num_tokens:
+            return "length"
+        return None
+
+    def beam_responses(self, groups: list[BeamGroup], result: StepResult) -> None:
+        """The final Response of each finished beam group, into `result`."""
+        for group in groups:
+            state = self.states[group.session_id]
+            cfg = state.req.gen_config
+            tokens, scores = group.results(cfg.num_return_sequences)
+            best = tokens[0]
+            texts = [self._text(t, state.req.input_ids, cfg.skip_special_tokens) for t in tokens]
+            ends = bool(best) and best[-1] in group.eos_token_ids
+            response = Response(
+                text=texts[0],
+                token_ids=best,
+                finish_reason="stop" if ends else "length",
+                input_token_len=group.prompt_len,
+                generate_token_len=len(best),
+                beam_token_ids=tokens,
+                beam_scores=scores,
+                beam_texts=texts if texts[0] is not None else None,
+            )
+            result.responses.append((state.req, response))
+            result.done_sessions.append(group.session_id)
+
+    def _text(self, tokens: list[int], prompt: list[int], skip: bool) -> str | None:
+        if self.tokenizer is None:
+            return None
+        detok = IncrementalDetokenizer(self.tokenizer, prompt, skip)
+        for t in tokens:
+            detok.add(t)
+        return detok.text
+
+    def forget(self, session_id: int) -> None:
+        """The request's last Response is out."""
+        self.states.pop(session_id, None)
+
+    def finish(
+        self, session_id: int, reason: str, error: str | None, seq: Sequence | None = None
+    ) -> tuple[AddRequest, Response] | None:
+        """End a request outside a step's results (cancelled, failed): forget its state and
+        return its last Response, with what `seq` (default: its own) generated. None when the
+        session runs no request."""
+        state = self.states.pop(session_id, None)
+        if state is None:
+            return None
+        seq = seq if seq is not None else state.seq
+        response = state.response(list(seq.generated_token_ids), reason)
+        response.error = error
+        return state.req, response
