@@ -144,7 +144,7 @@ def test_lora(device, layout, shape, dtype):
 # MLP input and Llama-7B's down_proj input (11,008 wide)
 QUANT_SHAPES = by_mode(
     gpu=[(1, 4096), (8192, 4096), (333, 1536), (64, 11008)],
-    cpu=[(1, 576), (37, 1536)],
+    cpu=[(1, 576), (37, 1536), (2, 8200)],
 )
 
 

@@ -84,7 +84,12 @@ def test_per_token_quant_cpu_is_reference(shape, seed, cpu_path):
     assert torch.equal(q, q_ref) and torch.equal(scale, scale_ref)
 
 
-@pytest.mark.parametrize("shape", ROW_SHAPES)
+# a row wider than the kernel's one-block limit (MAX_BLOCK, 8,192): walked in blocks, the last
+# one ragged (Llama-7B's down_proj input is 11,008 wide)
+WIDE_ROWS = [(2, 8200)]
+
+
+@pytest.mark.parametrize("shape", [*ROW_SHAPES, *WIDE_ROWS])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_per_token_quant_triton(triton_device, shape, dtype):
     from lmengine.kernels.triton.w8a8 import per_token_quant_triton

@@ -1,8 +1,10 @@
 """Triton W8A8 kernels: per-token int8 quantization, fused RMSNorm + quantization, and an int8
 GEMM with int32 accumulation and a dequantizing epilogue. Numerics as `lmengine.kernels.w8a8`.
 
-The two row kernels run one program per row and keep the row in registers (hidden up to
-`MAX_BLOCK`). The GEMM tiles [BLOCK_M, BLOCK_N] outputs and walks K in BLOCK_K steps with
+The two row kernels run one program per row. The fused RMSNorm keeps the row in registers
+(hidden up to `MAX_BLOCK`); per-token quantization does too up to `MAX_BLOCK`, and walks wider
+rows (Llama-7B's 11,008-wide down_proj input) in blocks, once for the maximum and once to
+quantize. The GEMM tiles [BLOCK_M, BLOCK_N] outputs and walks K in BLOCK_K steps with
 `tl.dot` on int8 tiles into an int32 accumulator.
 """
 
@@ -47,12 +49,30 @@ def _per_token_quant_kernel(
     stride_q_row,
     hidden,
     BLOCK_SIZE: tl.constexpr,
+    ONE_BLOCK: tl.constexpr,  # the whole row fits in BLOCK_SIZE
 ):
     row = tl.program_id(0).to(tl.int64)
+    x_row_ptr = x_ptr + row * stride_x_row
+    q_row_ptr = q_ptr + row * stride_q_row
     offs = tl.arange(0, BLOCK_SIZE)  # [BLOCK_SIZE]
-    mask = offs < hidden
-    y = tl.load(x_ptr + row * stride_x_row + offs, mask=mask, other=0.0).to(tl.float32)
-    _quant_store(y, mask, q_ptr + row * stride_q_row, scale_ptr, row, offs)
+    if ONE_BLOCK:
+        mask = offs < hidden
+        y = tl.load(x_row_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        _quant_store(y, mask, q_row_ptr, scale_ptr, row, offs)
+    else:  # two passes over the row, block by block: its maximum, then the int8 values
+        amax = 0.0
+        for start in range(0, hidden, BLOCK_SIZE):
+            mask = start + offs < hidden
+            y = tl.load(x_row_ptr + start + offs, mask=mask, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.max(tl.abs(y), axis=0))
+        amax = tl.maximum(amax, 1e-8)
+        for start in range(0, hidden, BLOCK_SIZE):
+            mask = start + offs < hidden
+            y = tl.load(x_row_ptr + start + offs, mask=mask, other=0.0).to(tl.float32)
+            q = _round_half_even(y * (127.0 / amax))
+            q = tl.minimum(tl.maximum(q, -127.0), 127.0)
+            tl.store(q_row_ptr + start + offs, q.to(tl.int8), mask=mask)
+        tl.store(scale_ptr + row, amax / 127.0)
 
 
 @triton.jit
@@ -153,7 +173,7 @@ def _int8_gemm_kernel(
 # ---- launchers ----------------------------------------------------------------------------------
 
 
-def _check_rows(x: torch.Tensor, op: str) -> None:
+def _check_rows(x: torch.Tensor, op: str, max_hidden: int | None = MAX_BLOCK) -> None:
     if x.dim() != 2 or x.dtype not in _FLOAT_DTYPES:
         raise ValueError(
             f"{op}: x must be a float16/bfloat16/float32 [num_rows, hidden] tensor, got "
@@ -161,21 +181,22 @@ def _check_rows(x: torch.Tensor, op: str) -> None:
         )
     if x.stride(-1) != 1:
         raise ValueError(f"{op}: x must have a contiguous last dimension")
-    if not 0 < x.shape[1] <= MAX_BLOCK:
-        raise ValueError(f"{op}: hidden must be in 1..{MAX_BLOCK}, got {x.shape[1]}")
+    if x.shape[1] < 1 or (max_hidden is not None and x.shape[1] > max_hidden):
+        raise ValueError(f"{op}: hidden must be in 1..{max_hidden}, got {x.shape[1]}")
 
 
 def per_token_quant_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x: [num_rows, hidden] -> (q int8 [num_rows, hidden], scale f32 [num_rows, 1])."""
-    _check_rows(x, "per_token_quant_triton")
+    _check_rows(x, "per_token_quant_triton", max_hidden=None)
     num_rows, hidden = x.shape
     q = torch.empty(x.shape, dtype=torch.int8, device=x.device)
     scale = torch.empty(num_rows, 1, dtype=torch.float32, device=x.device)
     if num_rows:
-        block = triton.next_power_of_2(hidden)
+        block = min(triton.next_power_of_2(hidden), MAX_BLOCK)
         _per_token_quant_kernel[(num_rows,)](
-            x, q, scale, x.stride(0), q.stride(0), hidden, BLOCK_SIZE=block
-        )
+            x, q, scale, x.stride(0), q.stride(0), hidden, BLOCK_SIZE=block,
+            ONE_BLOCK=hidden <= block,
+        )  # fmt: skip
     return q, scale
 
 
