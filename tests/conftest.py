@@ -80,3 +80,15 @@ def save_tiny_llama(path, tokenizer_src: str, seed: int = 0, **overrides) -> str
 @pytest.fixture(scope="session")
 def tiny_llama_path(tmp_path_factory, smollm2_path) -> str:
     return save_tiny_llama(tmp_path_factory.mktemp("tiny_llama"), smollm2_path)
+
+
+@pytest.fixture(scope="module")
+def adapter_paths(tiny_llama_path, tmp_path_factory) -> dict[str, str]:
+    """The peft adapters of tests/test_lora.py's ADAPTERS for the tiny Llama, saved to disk."""
+    from tests.test_lora import ADAPTERS, save_adapter
+
+    root = tmp_path_factory.mktemp("adapters")
+    return {
+        name: save_adapter(tiny_llama_path, root / name, seed=i, **args)
+        for i, (name, args) in enumerate(ADAPTERS.items())
+    }

@@ -58,15 +58,6 @@ def save_adapter(base_path: str, out_dir, seed: int, **lora_args) -> str:
     return str(out_dir)
 
 
-@pytest.fixture(scope="module")
-def adapter_paths(tiny_llama_path, tmp_path_factory) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("adapters")
-    return {
-        name: save_adapter(tiny_llama_path, root / name, seed=i, **args)
-        for i, (name, args) in enumerate(ADAPTERS.items())
-    }
-
-
 @functools.lru_cache(maxsize=1)
 def _peft_model(base_path: str, paths: tuple[tuple[str, str], ...]):
     from peft import PeftModel

@@ -11,7 +11,6 @@ import pytest
 from lmengine import Engine, EngineConfig, GenerationConfig
 from tests.engine_utils import run_threads
 from tests.hf_reference import hf_greedy
-from tests.test_lora import adapter_paths as adapter_paths  # noqa: F401 (a fixture)
 from tests.test_swap import final_responses, submit_at_once
 
 NEW = 12
@@ -120,7 +119,7 @@ def test_second_request_computes_only_what_is_not_cached(tiny_llama_path):
 
 def test_adapters_never_share_blocks_and_a_re_added_name_gets_fresh_kv(
     tiny_llama_path,
-    adapter_paths,  # noqa: F811 (the fixture imported above)
+    adapter_paths,
 ):
     from lmengine.api import Pipeline
     from tests.test_lora import peft_greedy

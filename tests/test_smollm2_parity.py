@@ -4,6 +4,8 @@ preemption and a prefill budget small enough to chunk prompts."""
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -56,17 +58,47 @@ def test_smollm2_matches_transformers(smol_case, name):
 
 @pytest.mark.slow
 def test_smollm2_long_prompts_in_one_prefill_step(smollm2_path):
-    """Three ~600-token prompts prefilled in one 1,800-row step: the GEMMs take the
-    large-batch path of `kernels.linear` (MKL on Intel, oneDNN elsewhere), decode the small."""
+    """Three ~550-token prompts prefilled together in one step of 1,652 rows: the GEMMs take
+    the large-batch path of `kernels.linear` (MKL on Intel, oneDNN elsewhere), decode the
+    small. The loop is held until all three requests are queued, so they share the step."""
     tok = AutoTokenizer.from_pretrained(smollm2_path)
     lines = PROMPTS_FILE.read_text().splitlines()
     prompts = []
     for start in (0, 21, 42):
         text = " ".join(lines[(start + i) % len(lines)] for i in range(60))
         prompts.append(chat_token_ids(tok, [{"role": "user", "content": text}]))
-    assert sum(map(len, prompts)) > 1100, [len(p) for p in prompts]
+    assert sum(map(len, prompts)) == 1652, [len(p) for p in prompts]
     expected = hf_greedy(smollm2_path, prompts, 16)
     with Engine.from_pretrained(smollm2_path, EngineConfig(num_gpu_blocks=256)) as engine:
-        got = run_threads(engine, prompts, GenerationConfig(max_new_tokens=16))
-        assert [r.token_ids for r in got] == expected
+        steps = []  # (prefill rows, sequences) of every step
+        schedule = engine.scheduler.schedule
+
+        def recording_schedule():
+            out = schedule()
+            steps.append((out.num_prefill_tokens, len(out.scheduled)))
+            return out
+
+        engine.scheduler.schedule = recording_schedule
+        release = threading.Event()
+        holder = threading.Thread(target=engine.call, args=(release.wait,))
+        holder.start()  # the loop thread waits in release.wait, between steps
+        results = [None] * len(prompts)
+
+        def work(i):
+            results[i] = engine.create_instance().infer(
+                i, prompts[i], gen_config=GenerationConfig(max_new_tokens=16)
+            )
+
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 60
+        while engine.request_manager._inbox.qsize() < len(prompts):  # all three queued
+            assert time.monotonic() < deadline, "the requests never reached the engine"
+            time.sleep(0.01)
+        release.set()
+        for t in [holder, *threads]:
+            t.join(timeout=600)
+        assert [r.token_ids for r in results] == expected
+        assert steps[0] == (1652, 3), steps[:3]  # one prefill step of every prompt
         assert engine.stats()["num_free_blocks"] == engine.stats()["num_total_blocks"]

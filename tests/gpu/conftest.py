@@ -4,7 +4,7 @@ spy that counts Triton launches, and the device memory handed back after every t
 TRITON_INTERPRET decides, when a kernel module is imported, whether `triton.jit` compiles or
 interprets; tests/kernels/conftest.py defaults it to 1 (interpreter) for the CPU suite. This
 file is imported first (tests/gpu sorts before tests/kernels), so on a CUDA machine it sets 0
-before anything imports a kernel; an explicit TRITON_INTERPRET wins, and then the
+before anything imports a kernel (without CUDA, 1, as the kernel tests need); an explicit TRITON_INTERPRET wins, and then the
 `_triton_matches_the_device` check fails every GPU test with the reason instead of testing
 the interpreter on CUDA tensors.
 """
@@ -19,9 +19,12 @@ import torch
 
 from tests.gpu.common import DEVICE, ON_CPU, release_device_memory
 
-if ON_CPU:
+# NOTE: without CUDA (the default CPU suite, where these tests are skipped) the interpreter,
+# as tests/kernels/conftest.py sets it: this file is imported first, and a kernel module
+# imported now without it would stay compiled for the whole run
+if ON_CPU or not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-elif torch.cuda.is_available():
+else:
     os.environ.setdefault("TRITON_INTERPRET", "0")
 
 # module of lmengine.kernels.triton -> its launchers that the dispatchers import per call

@@ -69,25 +69,16 @@ def check_lora_batch(engine, base_path, adapter_paths, prompts, names, device, *
     check_greedy_against(outs, refs, FP32_TIE_MARGIN, FP32_LOGPROB_TOL, 0.9)
 
 
-@pytest.fixture(scope="module")
-def tiny_adapters(tiny_llama_path, tmp_path_factory) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("gpu_adapters")
-    return {
-        name: save_adapter(tiny_llama_path, root / name, seed=i, **args)
-        for i, (name, args) in enumerate(ADAPTERS.items())
-    }
-
-
-def test_slora_tiny_llama_equals_merged_peft(tiny_llama_path, tiny_adapters, device, triton_spy):
+def test_slora_tiny_llama_equals_merged_peft(tiny_llama_path, adapter_paths, device, triton_spy):
     names = ["qv4", "all8rs", None, "ko16", "all8rs", "qv4", None, "ko16", "ko16", "all8rs"]
     # one slot of rank 16: the adapters cannot be resident together and are paged in and out
     cfg = engine_config(
-        dtype="float32", adapters=tiny_adapters, max_lora_slots=1, num_gpu_blocks=64
+        dtype="float32", adapters=adapter_paths, max_lora_slots=1, num_gpu_blocks=64
     )
     with Engine.from_pretrained(tiny_llama_path, cfg) as engine:
         prompts = random_prompts([5, 9, 3, 12, 7, 40, 8, 6, 11, 2], engine.info.vocab_size, 3)
         check_lora_batch(
-            engine, tiny_llama_path, tiny_adapters, prompts, names, device, ignore_eos=True
+            engine, tiny_llama_path, adapter_paths, prompts, names, device, ignore_eos=True
         )
         stats = engine.stats()
         assert stats["num_adapter_evictions"] > 0 and stats["num_adapter_loads"] > 3
