@@ -4,9 +4,9 @@ spy that counts Triton launches, and the device memory handed back after every t
 TRITON_INTERPRET decides, when a kernel module is imported, whether `triton.jit` compiles or
 interprets; tests/kernels/conftest.py defaults it to 1 (interpreter) for the CPU suite. This
 file is imported first (tests/gpu sorts before tests/kernels), so on a CUDA machine it sets 0
-before anything imports a kernel (without CUDA, 1, as the kernel tests need); an explicit TRITON_INTERPRET wins, and then the
-`_triton_matches_the_device` check fails every GPU test with the reason instead of testing
-the interpreter on CUDA tensors.
+before anything imports a kernel (without CUDA, 1, as the kernel tests need); an explicit
+TRITON_INTERPRET wins, and then the `_triton_matches_the_device` check fails every GPU test
+with the reason instead of testing the interpreter on CUDA tensors.
 """
 
 from __future__ import annotations
