@@ -183,9 +183,7 @@ class TPModelAgent(ModelAgent):
                 "a process group already exists in this process: one tensor-parallel engine "
                 "per process (close the other engine first)"
             )
-        self.device = device
         self.tp = cfg.tp
-        self.block_size = cfg.block_size
         self._on_failure = on_failure
         self._closing = threading.Event()
         self._failure: str | None = None

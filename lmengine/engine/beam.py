@@ -34,10 +34,6 @@ from lmengine.scheduler.sequence import Sequence, SequenceStatus
 _NEG = -1.0e9  # transformers' "impossible" score
 
 
-def is_beam(seq: Sequence) -> bool:
-    return getattr(seq.gen_config, "num_beams", 1) > 1
-
-
 @dataclass(eq=False)
 class BeamGroup:
     """One beam-search request: running beams (Sequences), scores, finished hypotheses.

@@ -23,10 +23,6 @@ class ScheduledSequence:
     num_lookahead: int = 0  # speculative decoding: slots allocated past the chunk for drafts
 
     @property
-    def token_ids(self) -> list[int]:
-        return self.seq.token_ids[self.start_pos : self.start_pos + self.num_new_tokens]
-
-    @property
     def block_table(self) -> list[int]:
         return self.seq.block_table
 
@@ -48,10 +44,6 @@ class SchedulerOutput:
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     adapter_plan: AdapterPlan | None = None  # LoRA loads, page tables of scheduled adapters
     finished_seq_ids: list[int] = field(default_factory=list)  # sequences ended since last step
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
 
     @property
     def session_ids(self) -> set[int]:
