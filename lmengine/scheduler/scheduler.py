@@ -121,10 +121,16 @@ class Scheduler:
             if not live:  # NOTE: forget idle sessions, or every request would leave a key
                 del self.sessions[seq.session_id]
 
-    def _dequeue(self, seq: Sequence) -> None:  # from whichever queue holds it
-        for queue in (self.running, self.waiting, self.swapped):
+    def _dequeue(self, seq: Sequence) -> None:
+        """Take `seq` out of the queue its status names, or (after a step failed halfway)
+        out of whichever queue holds it."""
+        named = {SequenceStatus.RUNNING: self.running, SequenceStatus.WAITING: self.waiting}
+        for queue in (named.get(seq.status, self.swapped), self.running, self.waiting):
             if seq in queue:
                 queue.remove(seq)
+                return
+        if seq in self.swapped:
+            self.swapped.remove(seq)
 
     def end_session(self, session_id: int) -> list[Sequence]:
         """Abort every live sequence of the session and forget it; returns the aborted ones."""
