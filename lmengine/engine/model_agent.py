@@ -20,9 +20,9 @@ from lmengine.config import EngineConfig
 from lmengine.engine.cache_engine import CacheEngine, CacheSpec, derive_num_blocks
 from lmengine.engine.lora_pool import LoRAPool
 from lmengine.engine.runner import ModelRunner
-from lmengine.engine.sampling import Sampler
+from lmengine.engine.sampling import Sampler, sequence_output
 from lmengine.engine.speculative import Drafts, Proposer, Verifier, build_proposer
-from lmengine.engine.step import ModelOutput, SeqInput, SequenceOutput, StepInput
+from lmengine.engine.step import ModelOutput, SeqInput, StepInput
 from lmengine.kernels import cpu_ext
 from lmengine.models import patch
 from lmengine.models.model_info import ModelInfo
@@ -124,8 +124,7 @@ class ModelAgent:
         output = ModelOutput(beam_rows=beam_rows)
         if sampling:
             for seq, res in zip(sampling, self.sampler.sample(logits, sampling)):
-                logprobs = [res.top_logprobs] if res.top_logprobs is not None else None
-                output.sequences[seq.seq_id] = SequenceOutput([res.token_id], logprobs)
+                output.sequences[seq.seq_id] = sequence_output([res])
         return output
 
     def close(self) -> None:

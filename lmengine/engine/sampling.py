@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lmengine.engine.step import SequenceOutput
 from lmengine.kernels import cpu_ext
 
 
@@ -23,6 +24,19 @@ class SampleResult:
     token_id: int
     logprob: float | None = None  # raw logprob of token_id, when asked
     top_logprobs: dict[int, float] | None = None  # top-N alternatives and the chosen token
+
+
+def sequence_output(
+    results: list[SampleResult], num_draft_tokens: int = 0, num_accepted_tokens: int = 0
+) -> SequenceOutput:
+    """A sequence's step result from its sampled tokens, in order (logprobs when asked)."""
+    asked = results[0].top_logprobs is not None
+    return SequenceOutput(
+        [r.token_id for r in results],
+        [r.top_logprobs for r in results] if asked else None,
+        num_draft_tokens,
+        num_accepted_tokens,
+    )
 
 
 def banned_ngram_tokens(token_ids: list[int], n: int) -> list[int]:

@@ -29,10 +29,11 @@ import torch
 
 from lmengine.config import EngineConfig, SpeculativeConfig
 from lmengine.engine.cache_engine import CacheEngine, CacheSpec
-from lmengine.engine.sampling import Sampler, greedy
+from lmengine.engine.lora_pool import LoRAPool
+from lmengine.engine.runner import ModelRunner
+from lmengine.engine.sampling import Sampler, greedy, sequence_output
 from lmengine.engine.step import SeqInput, SequenceOutput, StepInput
 from lmengine.models import patch
-from lmengine.models.context import build_step_context, step_context
 from lmengine.models.model_info import ModelInfo
 from lmengine.scheduler.sequence import TokenCounts
 
@@ -95,19 +96,22 @@ class DraftModelProposer:
     def __init__(self, model: torch.nn.Module, spec: CacheSpec, device: torch.device) -> None:
         self.model = model
         self.spec = spec
-        self.block_size = spec.block_size
         self.device = device
-        self.kv_token_bytes = spec.gather_token_bytes
-        self.cache_engine: CacheEngine | None = None
+        self.runner: ModelRunner | None = None  # over the draft cache, from `start`
         self.sampler: Sampler | None = None
         self.computed: dict[int, int] = {}
 
     def cache_specs(self) -> list[CacheSpec]:
         return [self.spec]
 
+    @property
+    def cache_engine(self) -> CacheEngine:
+        return self.runner.cache_engine
+
     def start(self, num_gpu_blocks: int, num_cpu_blocks: int, sampler: Sampler) -> None:
         """Allocate the draft cache with the target's block counts."""
-        self.cache_engine = CacheEngine(self.spec, num_gpu_blocks, num_cpu_blocks, self.device)
+        cache = CacheEngine(self.spec, num_gpu_blocks, num_cpu_blocks, self.device)
+        self.runner = ModelRunner(self.model, cache, LoRAPool(self.model, self.device), self.device)
         self.sampler = sampler
 
     def release(self, seq_id: int) -> None:
@@ -116,19 +120,8 @@ class DraftModelProposer:
     def _forward(self, chunks: list[tuple[SeqInput, int, list[int]]]) -> torch.Tensor:
         """One packed draft forward: (sequence, start position, tokens) per sequence; returns
         the logits of each chunk's last token, [len(chunks), vocab]."""
-        input_ids = torch.tensor([t for _, _, toks in chunks for t in toks], device=self.device)
-        ctx = build_step_context(
-            [len(toks) for _, _, toks in chunks],
-            [start for _, start, _ in chunks],
-            [s.block_table for s, _, _ in chunks],
-            [True] * len(chunks),
-            self.block_size,
-            self.cache_engine.kv_caches,
-            self.device,
-            self.kv_token_bytes,
-        )
-        with step_context(ctx):
-            return self.model(input_ids)
+        seqs = [SeqInput(s.seq_id, start, toks, s.block_table, True) for s, start, toks in chunks]
+        return self.runner.run(StepInput(seqs))
 
     def _draw(self, logits: torch.Tensor, seqs: list) -> tuple[list[int], torch.Tensor]:
         """Draft tokens from the draft's distribution (argmax for greedy requests)."""
@@ -355,11 +348,8 @@ class Verifier:
             m = acc_list[b]
             out_tokens = [*draft_lists[b][:m], next_list[b]]
             rows = logits[first_row[b] : first_row[b] + m + 1]
-            sampled_rows = self.sampler.results(rows, out_tokens, [seq.gen_config] * (m + 1))
-            logprobs = None
-            if seq.gen_config.logprobs is not None:
-                logprobs = [r.top_logprobs for r in sampled_rows]
-            results[seq.seq_id] = SequenceOutput(out_tokens, logprobs, len(draft_lists[b]), m)
+            sampled = self.sampler.results(rows, out_tokens, [seq.gen_config] * (m + 1))
+            results[seq.seq_id] = sequence_output(sampled, len(draft_lists[b]), m)
             if draft_lists[b]:
                 self.num_draft_tokens += len(draft_lists[b])
                 self.num_accepted_tokens += m
