@@ -191,9 +191,13 @@ def test_loop_death_reaches_every_caller(tiny_llama_path):
     for i in range(10, 20):  # one request per step until the engine stops trying
         late = inst.infer(i, [5], gen_config=GenerationConfig(max_new_tokens=2))
         assert late.finish_reason == "error"
-        if not eng.is_alive:
+        if "engine loop died" in late.error:
             break
-    assert not eng.is_alive and "engine loop died" in late.error
+    # NOTE: the step that gives up fails its own requests first ("injected failure"), then the
+    # loop stops; every request after that is refused with the loop's death
+    assert "engine loop died" in late.error and "injected failure" in late.error
+    eng._thread.join(timeout=30)
+    assert not eng.is_alive
     eng.close()
 
 
