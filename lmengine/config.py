@@ -40,6 +40,25 @@ def _check_choice(name: str, value, choices) -> None:
 
 
 @dataclass
+class SteeringVector:
+    """A steering vector: `scale * vector` is added to a layer's output at every position
+    from `start` on (0: the whole prompt too). `vector` is a 1-D float tensor of the model's
+    hidden size (checked by the engine)."""
+
+    vector: object  # torch.Tensor [hidden_size]
+    scale: float = 1.0
+    start: int = 0  # first position steered
+
+    def __post_init__(self) -> None:
+        if not hasattr(self.vector, "shape") or not hasattr(self.vector, "dtype"):
+            raise ValueError(
+                f"a steering vector must be a tensor, got {type(self.vector).__name__}"
+            )
+        _check_range("steering scale", self.scale)
+        _check_int("steering start", self.start, 0)
+
+
+@dataclass
 class SpeculativeConfig:
     """Speculative decoding: a cheap proposer drafts up to `num_speculative_tokens` tokens per
     decoding sequence, and the model checks them all in one forward (see engine/speculative.py).
@@ -182,6 +201,14 @@ class GenerationConfig:
 
     `stop_words` are matched on the decoded text and the matched text is not returned.
     `logprobs=N` returns, for every generated token, its logprob and the top-N alternatives.
+
+    Research fields (docs/research.md): `prompt_logprobs=N` scores the prompt (every prompt
+    token after the first: its logprob and the top-N alternatives); `output_hidden_states`
+    returns the residual stream after the chosen layers (0 = embeddings, i = after decoder
+    layer i, as transformers' `output_hidden_states`; "all" for every one); `steering` adds
+    a vector to chosen layers' outputs for this request's rows only; `logits_processors`
+    are callables `(token_ids, logits_row) -> logits_row` run before sampling.
+    `max_new_tokens=0` runs the prompt only (scoring, reading activations).
     """
 
     max_new_tokens: int = 512
@@ -204,9 +231,15 @@ class GenerationConfig:
     length_penalty: float = 1.0  # beam search: a finished beam scores logprob / length**this
     early_stopping: str | bool = False  # beam search: True, False or "never" (as transformers)
     num_return_sequences: int = 1  # beam search: best beams returned, <= num_beams
+    # ---- research hooks (docs/research.md) --------------------------------------------------
+    prompt_logprobs: int | None = None  # N: logprob of every prompt token + the top-N
+    output_hidden_states: tuple[int, ...] | str | None = None  # layer indices, or "all"
+    # layer index (>= 1) -> a [hidden_size] tensor, or a SteeringVector (scale, start position)
+    steering: dict | None = None
+    logits_processors: list | None = None  # callables (token_ids, logits_row) -> logits_row
 
     def __post_init__(self) -> None:
-        _check_int("max_new_tokens", self.max_new_tokens, 1)
+        _check_int("max_new_tokens", self.max_new_tokens, 0)
         _check_int("min_new_tokens", self.min_new_tokens, 0)
         if self.min_new_tokens > self.max_new_tokens:
             raise ValueError(
@@ -238,7 +271,46 @@ class GenerationConfig:
             _check_int("logprobs", self.logprobs, 0)
             if self.logprobs > 20:
                 raise ValueError(f"logprobs must be <= 20, got {self.logprobs!r}")
+        self._check_research()
         self._check_beam_search()
+
+    def _check_research(self) -> None:
+        """The shapes of the research fields; the model-dependent checks (layer range, vector
+        size) are the engine's (`RequestValidator`)."""
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, 0, 20)
+        layers = self.output_hidden_states
+        if layers is not None and layers != "all":
+            if isinstance(layers, int) and not isinstance(layers, bool):
+                layers = (layers,)
+            if not isinstance(layers, (list, tuple)) or not layers:
+                raise ValueError(
+                    "output_hidden_states must be layer indices (a non-empty tuple of ints) or "
+                    f"'all', got {self.output_hidden_states!r}"
+                )
+            for i in layers:
+                _check_int("output_hidden_states[]", i, 0)
+            self.output_hidden_states = tuple(sorted(set(layers)))
+        if self.steering is not None:
+            if not isinstance(self.steering, dict) or not self.steering:
+                raise ValueError(
+                    f"steering must be a non-empty dict of layer -> vector, got {self.steering!r}"
+                )
+            for layer, vector in self.steering.items():
+                _check_int("steering layer", layer, 1)
+                if not isinstance(vector, SteeringVector):
+                    self.steering[layer] = SteeringVector(vector)
+        if self.logits_processors is not None:
+            if callable(self.logits_processors):
+                self.logits_processors = [self.logits_processors]
+            if not isinstance(self.logits_processors, (list, tuple)) or not all(
+                callable(p) for p in self.logits_processors
+            ):
+                raise ValueError(
+                    "logits_processors must be a list of callables (token_ids, logits) -> "
+                    f"logits, got {self.logits_processors!r}"
+                )
+            self.logits_processors = list(self.logits_processors)
 
     def _check_beam_search(self) -> None:
         _check_int("num_beams", self.num_beams, 1)
@@ -262,6 +334,11 @@ class GenerationConfig:
             "do_sample": self.do_sample,
             "stop_words": bool(self.stop_words),
             "logprobs": self.logprobs is not None,
+            "max_new_tokens": self.max_new_tokens == 0,
+            "prompt_logprobs": self.prompt_logprobs is not None,
+            "output_hidden_states": self.output_hidden_states is not None,
+            "steering": self.steering is not None,
+            "logits_processors": self.logits_processors is not None,
         }
         for name, is_set in unsupported.items():
             if is_set:

@@ -58,3 +58,12 @@ def hf_beam(path: str, ids: list[int], cfg) -> tuple[list[list[int]], list]:
         cut = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
         seqs.append(row[:cut])
     return seqs, out.sequences_scores.tolist()
+
+
+def hf_forward(path: str, ids: list[int]) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """One transformers forward over `ids`: log-softmax of the logits [len, vocab] and the
+    hidden states (output_hidden_states: embeddings, then after each layer) [len, hidden]."""
+    model = _load(path)
+    with torch.inference_mode():
+        out = model(torch.tensor([ids]), output_hidden_states=True)
+    return out.logits[0].float().log_softmax(-1), tuple(h[0] for h in out.hidden_states)

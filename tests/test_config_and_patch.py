@@ -26,7 +26,7 @@ def test_engine_config_errors_name_the_value(kwargs, needle):
 @pytest.mark.parametrize(
     "kwargs,needle",
     [
-        (dict(max_new_tokens=0), "max_new_tokens must be >= 1, got 0"),
+        (dict(max_new_tokens=-1), "max_new_tokens must be >= 0, got -1"),
         (dict(top_p=0.0), "top_p must be > 0"),
         (dict(top_k=-1), "top_k"),
         (dict(temperature=0), "temperature must be > 0"),

@@ -165,6 +165,8 @@ class Engine:
             is_speculative=cfg.speculative is not None,
             adapter_names=lambda: self._adapter_names,
             qos=self._qos,
+            num_layers=self.info.num_layers,
+            hidden_size=self.info.hidden_size,
         )
         self.request_manager = RequestManager(self.validator.validate)
         self.outputs = OutputProcessor(self.tokenizer, self.info.eos_token_ids)
@@ -351,7 +353,11 @@ class Engine:
             user_id=req.user_id,
             adapter_name=req.adapter_name,
             adapter_id=adapter_id,
+            research=req.research,
         )
+        if req.research is not None:  # prefix caching: see ResearchSpec.reads_every_position
+            seq.reuses_cache = not req.research.reads_every_position
+            seq.shares_cache = not req.research.steering
         self.outputs.add(req, seq)
         self.scheduler.add_sequence(seq)
         if req.gen_config.num_beams > 1:

@@ -4,6 +4,7 @@
         forget the state of sequences that ended        (inputs.finished_seq_ids)
         propose drafts, append them to the chunks       (speculative decoding only)
         logits = runner.run(inputs)                     (block moves, LoRA loads, forward)
+        score the prompt rows                           (prompt_logprobs requests only)
         sample, verify the drafts or take beam rows     -> ModelOutput
 
 Without tensor parallelism the runner is a local ModelRunner; with it (`TPModelAgent`) the
@@ -19,6 +20,7 @@ import torch
 from lmengine.config import EngineConfig
 from lmengine.engine.cache_engine import CacheEngine, CacheSpec, derive_num_blocks
 from lmengine.engine.lora_pool import LoRAPool
+from lmengine.engine.research import prompt_logprobs
 from lmengine.engine.runner import ModelRunner
 from lmengine.engine.sampling import Sampler, sequence_output
 from lmengine.engine.speculative import Drafts, Proposer, Verifier, build_proposer
@@ -107,10 +109,17 @@ class ModelAgent:
             for seq, tokens in zip(inputs.seqs, drafts.tokens):
                 seq.input_ids = seq.input_ids + tokens
                 seq.num_drafts = len(tokens)
-        logits = self.runner.run(inputs)  # [num_logits, vocab]
-        if logits is None:
+        forward = self.runner.run(inputs)
+        if forward is None:
             return ModelOutput()
-        return self.sample(logits, inputs.seqs, drafts)
+        logits = forward.logits  # [num_logits, vocab]
+        scored = {}
+        if any(s.num_prompt_logits for s in inputs.seqs):
+            logits, scored = prompt_logprobs(logits, inputs.seqs)
+        output = self.sample(logits, inputs.seqs, drafts)
+        output.prompt_logprobs = scored
+        output.hidden_states = forward.hidden_states
+        return output
 
     def sample(
         self, logits: torch.Tensor, seqs: list[SeqInput], drafts: Drafts | None = None

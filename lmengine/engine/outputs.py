@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from lmengine.engine.beam import BeamGroup
 from lmengine.engine.detokenize import IncrementalDetokenizer
 from lmengine.engine.request import AddRequest, Response
+from lmengine.engine.research import HiddenStates
 from lmengine.engine.step import ModelOutput
 from lmengine.scheduler.output import SchedulerOutput
 from lmengine.scheduler.sequence import Sequence
@@ -28,6 +29,24 @@ class RequestState:
     text: str | None = None
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # when asked: filled in prefill
+    hidden: HiddenStates | None = None  # when asked
+
+    def record_research(self, item, output: ModelOutput) -> None:
+        """Keep what the step computed for the request's research asks: prompt logprobs (once
+        per prompt token: a recomputed prefill scores the same tokens again) and hidden
+        states (the positions this step ran)."""
+        seq_id = item.seq.seq_id
+        scored = output.prompt_logprobs.get(seq_id)
+        if scored is not None and self.prompt_logprobs is not None:
+            first, entries = scored
+            have = len(self.prompt_logprobs)
+            self.prompt_logprobs.extend(entries[have - first :] if have >= first else ())
+        rows = output.hidden_states.get(seq_id)
+        if rows is not None and self.hidden is not None:
+            self.hidden.write(item.start_pos, rows)
+            end = item.start_pos + item.num_new_tokens
+            self.hidden.num_valid = max(self.hidden.num_valid, end)
 
     def visible_text(self, finished: bool) -> str | None:
         """Text safe to show: while running, hold back a tail that may start a stop word."""
@@ -38,6 +57,10 @@ class RequestState:
         return self.text[: max(0, len(self.text) - hold)]
 
     def response(self, token_ids: list[int], finish_reason: str | None) -> Response:
+        hidden = None
+        if self.hidden is not None:  # positions run: all but the last token (once there is one)
+            total = self.seq.num_prompt_tokens + len(token_ids)
+            hidden = self.hidden.view(min(self.hidden.num_valid, total - 1 if token_ids else total))
         return Response(
             text=self.visible_text(finish_reason is not None),
             token_ids=token_ids,
@@ -47,6 +70,8 @@ class RequestState:
             logprobs=list(self.logprobs) if self.logprobs is not None else None,
             num_draft_tokens=self.num_draft_tokens,
             num_accepted_tokens=self.num_accepted_tokens,
+            prompt_logprobs=self.prompt_logprobs,
+            hidden_states=hidden,
         )
 
 
@@ -77,30 +102,47 @@ class OutputProcessor:
             detok = IncrementalDetokenizer(self.tokenizer, req.input_ids, cfg.skip_special_tokens)
         logprobs = [] if req.gen_config.logprobs is not None else None
         text = "" if detok is not None else None
-        self.states[req.session_id] = RequestState(req, seq, detok, logprobs, text)
+        state = RequestState(req, seq, detok, logprobs, text)
+        spec = seq.research
+        if spec is not None:
+            state.prompt_logprobs = [None] if spec.prompt_logprobs is not None else None
+            state.hidden = HiddenStates(spec.hidden_layers) if spec.hidden_layers else None
+        self.states[req.session_id] = state
 
     def process(self, out: SchedulerOutput, output: ModelOutput) -> StepResult:
         """Check every sampled token for a stop, in order (with speculative decoding, tokens
         after a stop are dropped), and build one Response per request that sampled."""
         result = StepResult()
+        has_research = bool(output.prompt_logprobs or output.hidden_states)
         for item in out.scheduled:
             seq = item.seq
+            if has_research:
+                self.states[seq.session_id].record_research(item, output)
             res = output.sequences.get(seq.seq_id)
             if res is None:
                 continue
             state = self.states[seq.session_id]
+            if state.hidden is not None:  # accepted drafts ran at positions now final too
+                end = item.start_pos + item.num_new_tokens + res.num_accepted_tokens
+                state.hidden.num_valid = max(state.hidden.num_valid, end)
             accepted: list[int] = []
             reason = None
-            for i, token_id in enumerate(res.token_ids):
-                logprobs = res.logprobs[i] if res.logprobs is not None else None
-                reason = self._check_stop(state, token_id, logprobs, len(accepted))
-                accepted.append(token_id)
-                if reason is not None:
-                    break
+            if res.error is not None:
+                reason = "error"
+            elif state.req.gen_config.max_new_tokens == 0:
+                reason = "length"  # the prompt only: scoring, reading activations
+            else:
+                for i, token_id in enumerate(res.token_ids):
+                    logprobs = res.logprobs[i] if res.logprobs is not None else None
+                    reason = self._check_stop(state, token_id, logprobs, len(accepted))
+                    accepted.append(token_id)
+                    if reason is not None:
+                        break
             result.new_tokens[seq.seq_id] = accepted
             state.num_draft_tokens += res.num_draft_tokens
             state.num_accepted_tokens += res.num_accepted_tokens
             response = state.response([*seq.generated_token_ids, *accepted], reason)
+            response.error = res.error
             result.responses.append((state.req, response))
             if reason is not None:
                 result.finished.append(seq)

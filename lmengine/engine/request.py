@@ -40,6 +40,11 @@ class Response:
     beam_token_ids: list[list[int]] | None = None
     beam_scores: list[float] | None = None
     beam_texts: list[str] | None = None
+    # research hooks (GenerationConfig.prompt_logprobs / output_hidden_states): per prompt
+    # token {token_id: logprob} holding that token and the top N (None for the first token);
+    # per asked layer the hidden states [num_positions, hidden] of the positions run so far
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    hidden_states: dict[int, Any] | None = None  # layer -> torch.Tensor, on the CPU
 
 
 @dataclass
@@ -52,6 +57,7 @@ class AddRequest:
     priority: int | None = None
     user_id: str | None = None
     index: int = 0
+    research: Any = None  # ResearchSpec, set by the validator when the request asks for one
 
 
 @dataclass

@@ -24,6 +24,7 @@ class SampleResult:
     token_id: int
     logprob: float | None = None  # raw logprob of token_id, when asked
     top_logprobs: dict[int, float] | None = None  # top-N alternatives and the chosen token
+    error: str | None = None  # the request's logits processor failed: the request ends
 
 
 def sequence_output(
@@ -36,7 +37,40 @@ def sequence_output(
         [r.top_logprobs for r in results] if asked else None,
         num_draft_tokens,
         num_accepted_tokens,
+        next((r.error for r in results if r.error is not None), None),
     )
+
+
+def apply_logits_processors(logits: torch.Tensor, seqs: Seq) -> dict[int, str]:
+    """Run each request's logits processors on its row of `logits` [rows, vocab], in place,
+    in order, each called as `processor(token_ids, row)` with a copy of the request's tokens
+    so far (transformers' and vLLM's convention). A processor that raises or returns
+    something else than a row of the same shape fails its own request only: returns
+    row -> error message for those."""
+    errors = {}
+    vocab = logits.shape[1]
+    for i, seq in enumerate(seqs):
+        processors = seq.gen_config.logits_processors
+        if not processors:
+            continue
+        row = logits[i]
+        for processor in processors:
+            name = getattr(processor, "__name__", type(processor).__name__)
+            try:
+                row = processor(list(seq.token_ids), row)
+            except Exception as e:
+                errors[i] = f"logits processor {name} raised {type(e).__name__}: {e}"
+                break
+            if not (isinstance(row, torch.Tensor) and tuple(row.shape) == (vocab,)):
+                got = tuple(row.shape) if isinstance(row, torch.Tensor) else type(row).__name__
+                errors[i] = (
+                    f"logits processor {name} must return a tensor of shape ({vocab},), got {got}"
+                )
+                break
+        else:
+            if row.data_ptr() != logits[i].data_ptr():
+                logits[i] = row
+    return errors
 
 
 def banned_ngram_tokens(token_ids: list[int], n: int) -> list[int]:
@@ -132,13 +166,20 @@ class Sampler:
         """logits: [num_samples, vocab] float32, row i for seqs[i]."""
         cfgs = [s.gen_config for s in seqs]
         processed = self._apply_penalties(logits.clone(), seqs) if penalised(seqs) else logits
+        errors = {}
+        if any(c.logits_processors for c in cfgs):  # after the penalties, as transformers
+            processed = processed.clone() if processed is logits else processed
+            errors = apply_logits_processors(processed, seqs)
         tokens = greedy(processed)  # [num_samples]
         sample_rows = [i for i, c in enumerate(cfgs) if c.do_sample]
         if sample_rows:
             probs = self._sampling_probs(processed[sample_rows], [cfgs[i] for i in sample_rows])
             noise = self.exponential_noise(probs, [seqs[i] for i in sample_rows])
             tokens[sample_rows] = (probs / noise).argmax(-1)
-        return self.results(logits, tokens.tolist(), cfgs)
+        results = self.results(logits, tokens.tolist(), cfgs)
+        for row, message in errors.items():
+            results[row].error = message
+        return results
 
     def split_beam_rows(
         self, logits: torch.Tensor, seqs: list

@@ -121,7 +121,7 @@ class DraftModelProposer:
         """One packed draft forward: (sequence, start position, tokens) per sequence; returns
         the logits of each chunk's last token, [len(chunks), vocab]."""
         seqs = [SeqInput(s.seq_id, start, toks, s.block_table, True) for s, start, toks in chunks]
-        return self.runner.run(StepInput(seqs))
+        return self.runner.run(StepInput(seqs)).logits
 
     def _draw(self, logits: torch.Tensor, seqs: list) -> tuple[list[int], torch.Tensor]:
         """Draft tokens from the draft's distribution (argmax for greedy requests)."""

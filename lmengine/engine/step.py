@@ -43,6 +43,10 @@ class SeqInput(TokenCounts):
     adapter_id: int | None = None  # LoRA adapter (AdapterManager id)
     num_lookahead: int = 0  # draft slots the scheduler allocated past the chunk
     num_drafts: int = 0  # trailing input_ids that are drafts
+    # ---- research hooks (every rank: they shape the forward; see engine/research.py) -------
+    num_prompt_logits: int = 0  # leading input_ids whose logits score the next prompt token
+    hidden_layers: tuple[int, ...] = ()  # layers whose rows of this step are copied out
+    steering: tuple = ()  # (layer, scaled vector [hidden], first position steered)
     # ---- rank 0 only (sampling); `StepInput.for_workers` leaves them out -------------------
     gen_config: Any = None  # the request's GenerationConfig
     token_ids: list[int] = field(default_factory=list)  # prompt then generated tokens so far
@@ -81,20 +85,26 @@ class StepInput:
         for item in out.scheduled:
             seq = item.seq
             start = item.start_pos
-            seqs.append(
-                SeqInput(
-                    seq_id=seq.seq_id,
-                    start_pos=start,
-                    input_ids=seq.token_ids[start : start + item.num_new_tokens],
-                    block_table=seq.block_table,
-                    needs_sample=item.needs_sample,
-                    adapter_id=seq.adapter_id,
-                    num_lookahead=item.num_lookahead,
-                    gen_config=seq.gen_config,
-                    token_ids=seq.token_ids,
-                    num_prompt_tokens=seq.num_prompt_tokens,
-                )
+            seq_input = SeqInput(
+                seq_id=seq.seq_id,
+                start_pos=start,
+                input_ids=seq.token_ids[start : start + item.num_new_tokens],
+                block_table=seq.block_table,
+                needs_sample=item.needs_sample,
+                adapter_id=seq.adapter_id,
+                num_lookahead=item.num_lookahead,
+                gen_config=seq.gen_config,
+                token_ids=seq.token_ids,
+                num_prompt_tokens=seq.num_prompt_tokens,
             )
+            spec = seq.research  # ResearchSpec or None
+            if spec is not None:
+                if spec.prompt_logprobs is not None:  # rows at positions p < prompt end - 1
+                    end = min(start + item.num_new_tokens, seq.num_prompt_tokens - 1)
+                    seq_input.num_prompt_logits = max(0, end - start)
+                seq_input.hidden_layers = spec.hidden_layers
+                seq_input.steering = spec.steering
+            seqs.append(seq_input)
         return cls(
             seqs=seqs,
             blocks_to_copy=list(out.blocks_to_copy),
@@ -136,6 +146,7 @@ class SequenceOutput:
     logprobs: list[dict[int, float]] | None = None
     num_draft_tokens: int = 0  # drafts proposed for this sequence this step
     num_accepted_tokens: int = 0  # of which the model kept
+    error: str | None = None  # the request's own code failed (a logits processor): it ends
 
 
 @dataclass
@@ -146,3 +157,8 @@ class ModelOutput:
     # beam search: per beam sequence its processed log-prob row [vocab] (float32, on the
     # model's device); the BeamSearch picks the next tokens from all beams of a group together
     beam_rows: dict[int, torch.Tensor] = field(default_factory=dict)
+    # research hooks, for every sequence that asked (sampling this step or not):
+    # prompt scoring: (index of the first prompt token scored, {token_id: logprob} per token)
+    prompt_logprobs: dict[int, tuple[int, list[dict[int, float]]]] = field(default_factory=dict)
+    # hidden states: layer -> rows [num_rows, hidden] of the step's input_ids, from start_pos
+    hidden_states: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from lmengine.config import GenerationConfig
 from lmengine.engine.request import AddRequest, RequestError
+from lmengine.engine.research import ResearchSpec
 from lmengine.scheduler.adapter_manager import AdapterManager
 from lmengine.scheduler.qos import QoS, QoSError
 from lmengine.scheduler.sequence import token_limit
@@ -32,6 +33,8 @@ class RequestValidator:
     is_speculative: bool
     adapter_names: Callable[[], frozenset[str]]  # the adapters loaded now
     qos: QoS | None = None
+    num_layers: int = 0  # decoder layers (research hooks address them)
+    hidden_size: int = 0
 
     def validate(self, req: AddRequest) -> None:
         """Any thread: refuse a malformed request."""
@@ -68,6 +71,12 @@ class RequestValidator:
         ):
             raise RequestError(f"priority must be an integer or None, got {req.priority!r}")
         self._validate_beams(req)
+        if cfg.logits_processors and self.is_speculative:
+            raise RequestError(
+                "logits_processors are not supported with speculative decoding (the drafts "
+                "are verified against the unprocessed distribution)"
+            )
+        req.research = ResearchSpec.from_config(cfg, self.num_layers, self.hidden_size)
         if self.qos is not None:
             try:
                 self.qos.tenant(req.user_id)

@@ -27,6 +27,7 @@ class StepContext:
     cos: torch.Tensor | None = None  # [num_tokens, head_dim], set by the patched model
     sin: torch.Tensor | None = None
     lora: Any = None  # lmengine.models.lora.LoRAStep when a scheduled sequence uses an adapter
+    hooks: Any = None  # lmengine.models.hooks.LayerHooks when a request steers or reads layers
 
 
 _CURRENT: StepContext | None = None
@@ -58,12 +59,14 @@ def build_step_context(
     device: torch.device,
     kv_token_bytes: int = 0,
     num_logits: list[int] | None = None,
+    num_leading_logits: list[int] | None = None,
 ) -> StepContext:
     """The context of one packed step: sequence b computes `q_lens[b]` tokens from position
     `start_pos[b]` on, in the blocks of `block_tables[b]`; rows with `needs_sample` get logits
     of their last token, or of their last `num_logits[b]` tokens when given (speculative
-    decoding verifies every drafted token). Shared by the ModelAgent and every
-    tensor-parallel rank, so they pack identically."""
+    decoding verifies every drafted token), after the logits of their first
+    `num_leading_logits[b]` tokens when given (prompt scoring). Shared by the ModelAgent and
+    every tensor-parallel rank, so they pack identically."""
     q_lens_t = torch.tensor(q_lens)
     kv_lens = [s + n for s, n in zip(start_pos, q_lens)]
     # position of every packed token: start of its sequence + offset within the chunk
@@ -79,16 +82,19 @@ def build_step_context(
         meta.block_tables.cpu()[seq_of_token, positions // block_size].long() * block_size
         + positions % block_size
     )
-    if num_logits is None:
+    if num_logits is None and num_leading_logits is None:
         sample_rows = torch.tensor(needs_sample, dtype=torch.bool)
         logits_indices = (first_token + q_lens_t - 1)[sample_rows]  # [num_samples]
-    else:  # the last num_logits[b] rows of every sequence, in packed order
-        counts = torch.tensor(num_logits)
-        first_row = torch.repeat_interleave(first_token + q_lens_t - counts, counts)
-        rank = torch.arange(int(counts.sum())) - torch.repeat_interleave(
-            torch.cumsum(counts, 0) - counts, counts
+    else:  # per sequence its first num_leading_logits[b] rows, then its last num_logits[b]
+        trailing = torch.tensor(num_logits if num_logits is not None else needs_sample).long()
+        leading = torch.tensor(num_leading_logits or [0] * len(q_lens)).long()
+        counts = leading + trailing  # [B]
+        seq_of_row = torch.repeat_interleave(torch.arange(len(q_lens)), counts)
+        rank = torch.arange(int(counts.sum())) - (torch.cumsum(counts, 0) - counts)[seq_of_row]
+        offset = torch.where(
+            rank < leading[seq_of_row], rank, q_lens_t[seq_of_row] - counts[seq_of_row] + rank
         )
-        logits_indices = first_row + rank  # [num_samples]
+        logits_indices = first_token[seq_of_row] + offset  # [num_logits]
     return StepContext(
         positions=positions.to(device),
         slot_mapping=slot_mapping.to(device),

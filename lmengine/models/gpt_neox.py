@@ -18,6 +18,7 @@ from transformers.models.gpt_neox.modeling_gpt_neox import (
 )
 
 from lmengine.models.attention import PagedAttentionMixin, set_rotary
+from lmengine.models.context import get_step_context
 from lmengine.models.layers import PackedLinear
 from lmengine.models.llama import PatchedLlamaForCausalLM
 
@@ -56,9 +57,17 @@ class PatchedGPTNeoXModel(GPTNeoXModel):
         """input_ids: [num_tokens] -> final hidden states [num_tokens, hidden]."""
         hidden_states = self.embed_in(input_ids)  # [num_tokens, hidden]
         set_rotary(self.rotary_emb, hidden_states)
-        for layer in self.layers[: self.config.num_hidden_layers]:
+        hooks = get_step_context().hooks
+        if hooks is not None:
+            hooks.after_layer(0, hidden_states)
+        for i, layer in enumerate(self.layers[: self.config.num_hidden_layers], 1):
             hidden_states = layer(hidden_states)
-        return self.final_layer_norm(hidden_states)
+            if hooks is not None:
+                hooks.after_layer(i, hidden_states)
+        hidden_states = self.final_layer_norm(hidden_states)
+        if hooks is not None:
+            hooks.after_norm(hidden_states)
+        return hidden_states
 
 
 class PatchedGPTNeoXForCausalLM(PatchedLlamaForCausalLM, GPTNeoXForCausalLM):

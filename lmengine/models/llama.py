@@ -97,10 +97,17 @@ class PatchedLlamaModel(LlamaModel):
         """input_ids: [num_tokens] -> final hidden states [num_tokens, hidden]."""
         hidden_states = self.embed_tokens(input_ids)  # [num_tokens, hidden]
         set_rotary(self.rotary_emb, hidden_states)
+        hooks = get_step_context().hooks  # research hooks: None unless a request asks
+        if hooks is not None:
+            hooks.after_layer(0, hidden_states)
         residual = None
-        for layer in self.layers[: self.config.num_hidden_layers]:
+        for i, layer in enumerate(self.layers[: self.config.num_hidden_layers], 1):
             hidden_states, residual = layer(hidden_states, residual)
+            if hooks is not None:
+                hooks.after_layer(i, hidden_states, residual)
         hidden_states, _ = self.norm(hidden_states, residual)
+        if hooks is not None:
+            hooks.after_norm(hidden_states)
         return hidden_states
 
 

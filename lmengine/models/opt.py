@@ -67,12 +67,19 @@ class PatchedOPTDecoder(OPTDecoder):
         if self.project_in is not None:
             hidden_states = self.project_in(hidden_states)
         hidden_states = hidden_states + self.embed_positions.weight[positions]
-        for layer in self.layers[: self.config.num_hidden_layers]:
+        hooks = get_step_context().hooks
+        if hooks is not None:
+            hooks.after_layer(0, hidden_states)
+        for i, layer in enumerate(self.layers[: self.config.num_hidden_layers], 1):
             hidden_states = layer(hidden_states)
+            if hooks is not None:
+                hooks.after_layer(i, hidden_states)
         if self.final_layer_norm is not None:
             hidden_states = self.final_layer_norm(hidden_states)
         if self.project_out is not None:
             hidden_states = self.project_out(hidden_states)
+        if hooks is not None:
+            hooks.after_norm(hidden_states)
         return hidden_states
 
 

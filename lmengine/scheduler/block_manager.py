@@ -107,6 +107,8 @@ class BlockManager:
         computed and returns how many there are."""
         if self.prefix_cache is None or seq.block_table or seq.num_computed_tokens:
             return 0
+        if not seq.reuses_cache:
+            return 0
         cache = self.prefix_cache
         seq.block_keys = []
         for i in range((seq.num_tokens - 1) // self.block_size):
@@ -134,7 +136,7 @@ class BlockManager:
 
     def commit(self, seq: Sequence) -> None:
         """Publish `seq`'s newly computed full blocks in the prefix cache."""
-        if self.prefix_cache is None:
+        if self.prefix_cache is None or not seq.shares_cache:
             return
         num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
         for i in range(len(seq.block_keys), num_full):

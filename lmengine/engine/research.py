@@ -1,0 +1,165 @@
+"""Research hooks of a request: prompt scoring, reading hidden states, steering.
+
+`ResearchSpec.from_config` checks a request's research fields against the model (layer range,
+vector size and dtype) in the submitting thread and fixes them in the form the step carries:
+resolved layer indices, steering vectors scaled and detached from the caller's tensor. The
+step then asks the forward for the prompt rows' logits and the layers' rows
+(`StepInput.from_output`), `prompt_logprobs` turns those logits into per-token logprobs on
+rank 0, and `HiddenStates` gathers a request's rows step after step in position order.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from lmengine.config import GenerationConfig
+from lmengine.engine.request import RequestError
+
+# NOTE: rows of prompt logits turned into logprobs at once: bounds the float32 log-softmax
+# temporaries (rows x vocab) of a long prefill
+_SCORE_BLOCK_ROWS = 512
+
+
+@dataclass(frozen=True)
+class ResearchSpec:
+    """What one request asks of the forward, in the form each step carries."""
+
+    prompt_logprobs: int | None = None  # top-N alternatives per prompt token
+    hidden_layers: tuple[int, ...] = ()  # indices as transformers' output_hidden_states
+    steering: tuple[tuple[int, torch.Tensor, int], ...] = ()  # (layer, scaled [hidden], start)
+
+    @property
+    def reads_every_position(self) -> bool:
+        """Prompt logprobs and hidden states need every prompt position computed: such a
+        request never starts from cached prefix blocks."""
+        return self.prompt_logprobs is not None or bool(self.hidden_layers)
+
+    @classmethod
+    def from_config(
+        cls, cfg: GenerationConfig, num_layers: int, hidden_size: int
+    ) -> ResearchSpec | None:
+        """The spec of a request, None when it asks for nothing; RequestError when an ask
+        does not fit the model."""
+        if cfg.prompt_logprobs is None and cfg.output_hidden_states is None and not cfg.steering:
+            return None
+        layers: tuple[int, ...] = ()
+        if cfg.output_hidden_states == "all":
+            layers = tuple(range(num_layers + 1))
+        elif cfg.output_hidden_states is not None:
+            layers = tuple(cfg.output_hidden_states)
+            bad = [i for i in layers if i > num_layers]
+            if bad:
+                raise RequestError(
+                    f"output_hidden_states: layer {bad[0]} is out of range; this model has "
+                    f"indices 0..{num_layers} (0 = embeddings, i = after decoder layer i)"
+                )
+        steering = []
+        for layer, sv in sorted((cfg.steering or {}).items()):
+            if layer > num_layers:
+                raise RequestError(
+                    f"steering: layer {layer} is out of range; this model's decoder layers are "
+                    f"1..{num_layers}"
+                )
+            steering.append((layer, _steering_vector(layer, sv, hidden_size), sv.start))
+        return cls(cfg.prompt_logprobs, layers, tuple(steering))
+
+
+def _steering_vector(layer: int, sv, hidden_size: int) -> torch.Tensor:
+    """`sv.scale * sv.vector` as a float32 CPU tensor of its own, after checking it."""
+    v = sv.vector
+    if not isinstance(v, torch.Tensor):
+        raise RequestError(f"steering[{layer}]: the vector must be a torch.Tensor")
+    if not (v.dtype.is_floating_point and v.dtype.itemsize >= 2):
+        raise RequestError(
+            f"steering[{layer}]: the vector must be float32, float16 or bfloat16, got {v.dtype}"
+        )
+    if tuple(v.shape) != (hidden_size,):
+        raise RequestError(
+            f"steering[{layer}]: the vector must have shape ({hidden_size},) (the model's "
+            f"hidden size), got {tuple(v.shape)}"
+        )
+    out = v.detach().to("cpu", torch.float32) * float(sv.scale)  # [hidden]
+    if not bool(torch.isfinite(out).all()) or not math.isfinite(sv.scale):
+        raise RequestError(f"steering[{layer}]: the scaled vector has NaN or infinite values")
+    return out
+
+
+def prompt_logprobs(
+    logits: torch.Tensor, seqs: list
+) -> tuple[torch.Tensor, dict[int, tuple[int, list[dict[int, float]]]]]:
+    """Split a step's logits [num_logits, vocab] into the prompt-scoring rows (each sequence's
+    first `num_prompt_logits`) and the rest (returned, for sampling). Each scoring row at
+    position p gives the logprob of prompt token p + 1 and the top-N alternatives.
+
+    Returns (rest of the logits, seq_id -> (index of its first scored prompt token, one
+    {token_id: logprob} per scored token))."""
+    score_rows, rest_rows, targets = [], [], []
+    row = 0
+    for s in seqs:
+        n = s.num_prompt_logits
+        score_rows.extend(range(row, row + n))
+        targets.extend(s.token_ids[s.start_pos + 1 : s.start_pos + 1 + n])
+        rest_rows.extend(range(row + n, row + n + s.num_logits))
+        row += n + s.num_logits
+    device = logits.device
+    scores = logits[torch.tensor(score_rows, device=device)]  # [num_scored, vocab]
+    target_t = torch.tensor(targets, device=device)[:, None]  # [num_scored, 1]
+    num_top = max(s.gen_config.prompt_logprobs or 0 for s in seqs if s.num_prompt_logits)
+    chosen, top_values, top_ids = [], [], []
+    for block in range(0, len(score_rows), _SCORE_BLOCK_ROWS):
+        lp = scores[block : block + _SCORE_BLOCK_ROWS].float().log_softmax(-1)
+        chosen.append(lp.gather(1, target_t[block : block + _SCORE_BLOCK_ROWS])[:, 0])
+        if num_top:
+            values, ids = lp.topk(num_top, -1)
+            top_values.append(values)
+            top_ids.append(ids)
+    chosen_l = torch.cat(chosen).tolist()
+    values_l = torch.cat(top_values).tolist() if num_top else None
+    ids_l = torch.cat(top_ids).tolist() if num_top else None
+    out: dict[int, tuple[int, list[dict[int, float]]]] = {}
+    i = 0
+    for s in seqs:
+        n = s.num_prompt_logits
+        if not n:
+            continue
+        k = s.gen_config.prompt_logprobs
+        entries = []
+        for j in range(i, i + n):
+            entry = dict(zip(ids_l[j][:k], values_l[j][:k])) if k else {}
+            entry[targets[j]] = chosen_l[j]
+            entries.append(entry)
+        out[s.seq_id] = (s.start_pos + 1, entries)
+        i += n
+    rest = logits[torch.tensor(rest_rows, device=device, dtype=torch.long)]
+    return rest, out
+
+
+class HiddenStates:
+    """A request's hidden states, per layer a growing [positions, hidden] CPU buffer written
+    at the positions each step ran. Recomputed positions (after a preemption) are written
+    again with the same values; rows of drafts the model rejected are overwritten by the
+    tokens that replace them, and never read before."""
+
+    def __init__(self, layers: tuple[int, ...]) -> None:
+        self.buffers: dict[int, torch.Tensor] = {}
+        self.layers = layers
+        self.num_valid = 0  # positions whose rows are final
+
+    def write(self, start_pos: int, rows: dict[int, torch.Tensor]) -> None:
+        for layer, part in rows.items():  # part: [n, hidden]
+            end = start_pos + part.shape[0]
+            buf = self.buffers.get(layer)
+            if buf is None or buf.shape[0] < end:
+                size = max(end, 2 * buf.shape[0] if buf is not None else 0)
+                grown = part.new_empty((size, part.shape[1]), device="cpu")
+                if buf is not None:
+                    grown[: buf.shape[0]] = buf
+                buf = self.buffers[layer] = grown
+            buf[start_pos:end] = part
+
+    def view(self, num_positions: int) -> dict[int, torch.Tensor]:
+        """Per layer the rows of positions 0..num_positions-1 (views of the buffers)."""
+        return {layer: self.buffers[layer][:num_positions] for layer in self.layers}
