@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP API over one Engine (FastAPI).
 
 `build_app(engine, settings)` returns the ASGI app: one `EngineClient` shared by three
-routers (OpenAI, QoS, health/metrics) and OpenAI-style error handlers. Handlers turn a
+routers (OpenAI, QoS, health/metrics, tokenizer) and OpenAI-style error handlers. Handlers turn a
 request body into token ids and GenerationConfigs, run them as a `Job` (one engine request
 per choice) and answer as OpenAI does, whole or streamed. The engine runs in its own thread;
 nothing here touches the scheduler or the model.
@@ -21,6 +21,7 @@ from lmengine.serve.jobs import ResponseRouter
 from lmengine.serve.routes_health import health_router
 from lmengine.serve.routes_openai import openai_router
 from lmengine.serve.routes_qos import qos_router
+from lmengine.serve.routes_tokenizer import tokenizer_router
 from lmengine.serve.settings import ServerSettings
 
 __all__ = ["EngineClient", "ServerSettings", "build_app"]
@@ -49,4 +50,5 @@ def build_app(engine, settings: ServerSettings) -> FastAPI:
     app.include_router(health_router(client))
     app.include_router(openai_router(client))
     app.include_router(qos_router(client))
+    app.include_router(tokenizer_router(client))
     return app

@@ -17,7 +17,12 @@ from lmengine.serve.client import EngineClient
 from lmengine.serve.convert import gen_configs
 from lmengine.serve.errors import APIError
 from lmengine.serve.jobs import Job
-from lmengine.serve.logprobs import completion_logprobs
+from lmengine.serve.logprobs import (
+    completion_logprobs,
+    echo_logprobs,
+    join_legacy,
+    vllm_prompt_logprobs,
+)
 from lmengine.serve.protocol import MAX_CHOICES, CompletionRequest
 from lmengine.serve.streaming import ChunkShape, finish_reason, run_job, stream_choices, wants_usage
 
@@ -31,8 +36,6 @@ async def create_completion(
     adapter = client.adapter_for(body.model)
     if body.best_of is not None and body.best_of != body.n:
         raise APIError(400, "best_of must equal n (or be left out)", param="best_of")
-    if body.echo and body.logprobs is not None:
-        raise APIError(400, "echo with logprobs is not supported", param="echo")
     prompt = body.prompt
     if isinstance(prompt, str) or (prompt and all(isinstance(t, int) for t in prompt)):
         prompts = [prompt]
@@ -41,7 +44,13 @@ async def create_completion(
     if len(prompts) * body.n > MAX_CHOICES:
         raise APIError(400, f"at most {MAX_CHOICES} prompts x n per request", param="n")
     ids = [client.encode_text(p) if isinstance(p, str) else list(p) for p in prompts]
-    configs = gen_configs(body, len(ids), body.max_tokens, body.logprobs, client.session_len)
+    # the prompt's logprobs: echoed with `logprobs`, or vLLM's `prompt_logprobs` (the larger N)
+    asked = [
+        n for n in (body.logprobs if body.echo else None, body.prompt_logprobs) if n is not None
+    ]
+    configs = gen_configs(
+        body, len(ids), body.max_tokens, body.logprobs, client.session_len, max(asked, default=None)
+    )
     job = client.new_job(endpoint)
     client.check_queue(len(configs))
     job.submit(
@@ -76,12 +85,14 @@ def _whole(client: EngineClient, job: Job, body: CompletionRequest, echo) -> dic
         text = resp.text or ""
         if body.echo:
             text = echo[i // body.n] + text
-        logprobs = None
-        if body.logprobs is not None:
-            logprobs, _ = completion_logprobs(resp, 0, body.logprobs, 0, client.token_text)
-        choices.append(
-            {"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish_reason(resp)}
-        )
+        echoed = echo[i // body.n] if body.echo else None
+        choice = {"index": i, "text": text, "logprobs": _logprobs(client, body, c, resp, echoed)}
+        choice["finish_reason"] = finish_reason(resp)
+        if body.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = vllm_prompt_logprobs(
+                c.input_ids, resp, body.prompt_logprobs, client.token_text
+            )
+        choices.append(choice)
     return {
         "id": f"cmpl-{uuid.uuid4().hex}",
         "object": OBJECT,
@@ -92,16 +103,34 @@ def _whole(client: EngineClient, job: Job, body: CompletionRequest, echo) -> dic
     }
 
 
+def _logprobs(
+    client: EngineClient, body: CompletionRequest, choice, resp, echoed: str | None
+) -> dict | None:
+    """The legacy logprobs of a whole choice: over the `echoed` prompt text's tokens first."""
+    if body.logprobs is None:
+        return None
+    if echoed is None:
+        return completion_logprobs(resp, 0, body.logprobs, 0, client.token_text)[0]
+    prompt, _ = echo_logprobs(choice.input_ids, resp, body.logprobs, client.token_text)
+    generated, _ = completion_logprobs(resp, 0, body.logprobs, len(echoed), client.token_text)
+    return join_legacy(prompt, generated)
+
+
 def _stream(client: EngineClient, job: Job, body: CompletionRequest, echo) -> AsyncIterator[str]:
+    """Streamed choices. The echoed prompt goes first; when its logprobs (or vLLM's
+    `prompt_logprobs`) are asked, it waits for them and rides in each choice's first chunk."""
     shape = ChunkShape(f"cmpl-{uuid.uuid4().hex}", OBJECT, client.model_name(body))
+    num = len(job.choices)
+    echo = _echo_texts(client, job, body, echo) if body.echo else [""] * num
+    offsets = [len(echo[i // body.n]) for i in range(num)]  # characters of text sent so far
+    with_prompt = body.prompt_logprobs is not None or (body.echo and body.logprobs is not None)
     opening = []
-    if body.echo:
-        echo = _echo_texts(client, job, body, echo)
+    if body.echo and not with_prompt:
         opening = [
             shape.chunk(i, text=echo[i // body.n], logprobs=None, finish_reason=None)
-            for i in range(len(job.choices))
+            for i in range(num)
         ]
-    offsets = [0] * len(job.choices)  # characters of each choice's text sent so far
+    first = [with_prompt] * num  # the choice's first chunk still has to carry its prompt
 
     def make_chunk(i: int, resp, delta: str, start: int) -> dict | None:
         logprobs = None
@@ -109,9 +138,24 @@ def _stream(client: EngineClient, job: Job, body: CompletionRequest, echo) -> As
             logprobs, offsets[i] = completion_logprobs(
                 resp, start, body.logprobs, offsets[i], client.token_text
             )
-        if not (delta or resp.finish_reason or logprobs):
+        extra = {}
+        if first[i]:
+            first[i] = False
+            c = job.choices[i]
+            if body.echo:
+                delta = echo[i // body.n] + delta
+                if logprobs is not None:
+                    prompt, _ = echo_logprobs(c.input_ids, resp, body.logprobs, client.token_text)
+                    logprobs = join_legacy(prompt, logprobs)
+            if body.prompt_logprobs is not None:
+                extra["prompt_logprobs"] = vllm_prompt_logprobs(
+                    c.input_ids, resp, body.prompt_logprobs, client.token_text
+                )
+        if not (delta or resp.finish_reason or logprobs or extra):
             return None
-        return shape.chunk(i, text=delta, logprobs=logprobs, finish_reason=finish_reason(resp))
+        return shape.chunk(
+            i, text=delta, logprobs=logprobs, finish_reason=finish_reason(resp), **extra
+        )
 
     usage = (lambda: client.usage(job, body.n)) if wants_usage(body) else None
     return stream_choices(job, shape, opening, make_chunk, usage)

@@ -30,9 +30,15 @@ def stop_words(stop: str | list[str] | None) -> list[str] | None:
 
 
 def gen_configs(
-    body, num_prompts: int, max_tokens: int | None, logprobs: int | None, session_len: int
+    body,
+    num_prompts: int,
+    max_tokens: int | None,
+    logprobs: int | None,
+    session_len: int,
+    prompt_logprobs: int | None = None,
 ) -> list[GenerationConfig]:
-    """One GenerationConfig per choice (prompt-major: prompt i, choice j -> i * n + j)."""
+    """One GenerationConfig per choice (prompt-major: prompt i, choice j -> i * n + j).
+    `max_tokens` None: up to the context length; 0: the prompt only (scoring)."""
     if max_tokens is not None and max_tokens > session_len:
         raise APIError(
             400,
@@ -56,7 +62,7 @@ def gen_configs(
                 seed = (seed + j) % 2**63  # NOTE: n choices with one seed must still differ
             try:
                 cfg = GenerationConfig(
-                    max_new_tokens=max_tokens or session_len,
+                    max_new_tokens=session_len if max_tokens is None else max_tokens,
                     min_new_tokens=body.min_tokens,
                     do_sample=body.temperature > 0 and not beam,
                     temperature=body.temperature if body.temperature > 0 else 1.0,
@@ -71,6 +77,7 @@ def gen_configs(
                     random_seed=seed,
                     logprobs=logprobs,
                     skip_special_tokens=body.skip_special_tokens,
+                    prompt_logprobs=prompt_logprobs,
                     **beam,
                 )
             except ValueError as e:

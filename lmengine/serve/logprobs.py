@@ -60,12 +60,31 @@ def completion_logprobs(
 ) -> tuple[dict, int]:
     """The legacy `logprobs` object of the tokens from `start` on, whose text starts at
     character `offset` of the choice; also returns the offset after them."""
+    pairs = zip(resp.token_ids[start:], (resp.logprobs or [])[start:])
+    return legacy_logprobs(pairs, num_top, offset, token_text)
+
+
+def echo_logprobs(
+    prompt_ids: list[int], resp: Response, num_top: int, token_text: TokenTexts
+) -> tuple[dict, int]:
+    """The legacy `logprobs` object of an echoed prompt (OpenAI: `null` for the first token,
+    which nothing predicts), from character 0 on; also returns the offset after it."""
+    return legacy_logprobs(zip(prompt_ids, resp.prompt_logprobs or []), num_top, 0, token_text)
+
+
+def legacy_logprobs(pairs, num_top: int, offset: int, token_text: TokenTexts) -> tuple[dict, int]:
+    """OpenAI's legacy `logprobs` object of (token id, {token_id: logprob} or None) pairs,
+    the first token's text at character `offset`; also returns the offset after them."""
     tokens, token_lps, tops, offsets = [], [], [], []
-    for tok, dist in zip(resp.token_ids[start:], (resp.logprobs or [])[start:]):
+    for tok, dist in pairs:
         text = token_text(tok)
         tokens.append(text)
-        token_lps.append(_clamp(dist.get(tok, MIN_LOGPROB)))
-        tops.append({token_text(t): _clamp(lp) for t, lp in _top(dist, num_top)})
+        if dist is None:
+            token_lps.append(None)
+            tops.append(None)
+        else:
+            token_lps.append(_clamp(dist.get(tok, MIN_LOGPROB)))
+            tops.append({token_text(t): _clamp(lp) for t, lp in _top(dist, num_top)})
         offsets.append(offset)
         offset += len(text)
     body = {
@@ -75,3 +94,32 @@ def completion_logprobs(
         "text_offset": offsets,
     }
     return body, offset
+
+
+def join_legacy(first: dict, second: dict) -> dict:
+    """Two legacy `logprobs` objects one after the other (an echoed prompt, its completion)."""
+    return {key: first[key] + second[key] for key in first}
+
+
+def vllm_prompt_logprobs(
+    prompt_ids: list[int], resp: Response, num_top: int, token_text: TokenTexts
+) -> list[dict | None]:
+    """vLLM's `prompt_logprobs`: per prompt token None (the first) or {token_id: {logprob,
+    rank, decoded_token}} holding the prompt token and the top `num_top` (rank 1 = the most
+    likely; None for a prompt token outside the top N, whose rank is not computed)."""
+    out: list[dict | None] = []
+    for tok, dist in zip(prompt_ids, resp.prompt_logprobs or []):
+        if dist is None:
+            out.append(None)
+            continue
+        top = _top(dist, num_top)
+        rank = {t: r for r, (t, _) in enumerate(top, 1)}
+        entries = {t: lp for t, lp in top}
+        entries.setdefault(tok, dist.get(tok, MIN_LOGPROB))
+        out.append(
+            {
+                str(t): {"logprob": _clamp(lp), "rank": rank.get(t), "decoded_token": token_text(t)}
+                for t, lp in entries.items()
+            }
+        )
+    return out

@@ -48,6 +48,8 @@ class _SamplingFields(BaseModel):
     skip_special_tokens: bool = True
     priority: int | None = Field(None, ge=-(2**31), le=2**31 - 1)
     user_id: str | None = Field(None, max_length=256)  # the QoS user; default: `user`
+    # vLLM's prompt scoring: per prompt token its logprob and the top N (`prompt_logprobs`)
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)
     # beam search (n must be 1; the choice is the best beam; temperature is not used)
     num_beams: int = Field(1, ge=1, le=MAX_CHOICES)
     length_penalty: float = Field(1.0, ge=-100.0, le=100.0)
@@ -58,7 +60,8 @@ class CompletionRequest(_SamplingFields):
     """POST /v1/completions: raw prompts, no chat template."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
+    # OpenAI's default for completions; 0 with `echo` scores the prompt only
+    max_tokens: int | None = Field(16, ge=0)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
     best_of: int | None = Field(None, ge=1, le=MAX_CHOICES)  # only best_of == n is accepted
@@ -85,6 +88,26 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
+
+
+class TokenizeRequest(BaseModel):
+    """POST /tokenize (vLLM): a prompt, or chat messages through the chat template."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True  # prompt only
+    add_generation_prompt: bool = True  # messages only
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    """POST /detokenize (vLLM): token ids back to text."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    tokens: list[TokenId]
 
 
 class CompletionRequestQos(CompletionRequest):
