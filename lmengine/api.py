@@ -2,13 +2,16 @@
 
 A prompt is a string, a list of chat messages (`[{"role": ..., "content": ...}]`) or a list of
 token ids. Strings and messages go through the tokenizer's chat template when it has one (as
-lmdeploy does); pass `apply_chat_template=False` to send strings raw.
+lmdeploy does); pass `apply_chat_template=False` to send strings raw. `Pipeline.score` scores
+texts or (context, continuation) pairs instead: log-likelihoods from the prompt's logprobs.
 """
 
 from __future__ import annotations
 
+import math
 import queue
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 
 from lmengine.config import EngineConfig, GenerationConfig
 from lmengine.engine.engine import Engine
@@ -35,6 +38,30 @@ def _responses(responses: queue.Queue, num_requests: int) -> Iterator[Response]:
             if r.finish_reason is not None:
                 remaining -= 1
             yield r
+
+
+@dataclass
+class Score:
+    """The log-likelihood of one scored item: of every token of a text after its first, or
+    of the continuation of a (context, continuation) pair given its context."""
+
+    token_ids: list[int] = field(default_factory=list)  # the scored tokens
+    logprobs: list[float] = field(default_factory=list)  # log p(token | all tokens before it)
+    is_greedy: bool = False  # every scored token is the model's most likely one
+    index: int = 0  # position of the item in the batch
+    error: str | None = None  # why the item could not be scored (then nothing else is set)
+
+    @property
+    def sum_logprob(self) -> float:
+        return math.fsum(self.logprobs)
+
+    @property
+    def perplexity(self) -> float:
+        """exp(mean negative log-likelihood per scored token)."""
+        return math.exp(-self.sum_logprob / len(self.logprobs)) if self.logprobs else math.nan
+
+
+ScoreItem = str | list[int] | tuple[str, str] | tuple[list[int], list[int]]
 
 
 class Pipeline:
@@ -164,6 +191,91 @@ class Pipeline:
         if bar is not None:
             bar.close()
         return finals[0] if single else finals
+
+    # ---- scoring ------------------------------------------------------------------------------
+    def encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
+        """Token ids of (context, continuation), split as lm-evaluation-harness does: the
+        whole text is tokenized once and the continuation is what follows the context's
+        tokens (spaces ending the context move to the continuation; an empty context
+        becomes the BOS, else EOS, token)."""
+        num_spaces = len(context) - len(context.rstrip())
+        if num_spaces:
+            context, continuation = context[:-num_spaces], context[-num_spaces:] + continuation
+        encode = self.tokenizer
+        if not context:
+            prefix = self.tokenizer.bos_token_id
+            prefix = self.tokenizer.eos_token_id if prefix is None else prefix
+            return [prefix], list(encode(continuation, add_special_tokens=False)["input_ids"])
+        whole = list(encode(context + continuation, add_special_tokens=False)["input_ids"])
+        num_context = len(encode(context, add_special_tokens=False)["input_ids"])
+        return whole[:num_context], whole[num_context:]
+
+    def _score_ids(self, item: ScoreItem) -> tuple[list[int], int]:
+        """(token ids, index of the first scored token) of one item."""
+        if isinstance(item, str):
+            return list(self.tokenizer(item)["input_ids"]), 1
+        if isinstance(item, tuple) and len(item) == 2:
+            context, continuation = item
+            if isinstance(context, str) and isinstance(continuation, str):
+                context, continuation = self.encode_pair(context, continuation)
+            if not (isinstance(context, list) and isinstance(continuation, list)):
+                raise ValueError("a pair is (context, continuation), both texts or both token ids")
+            if not context or not continuation:
+                raise ValueError("a pair needs a non-empty context and continuation")
+            return [*context, *continuation], len(context)
+        if isinstance(item, list) and item and all(isinstance(t, int) for t in item):
+            return list(item), 1
+        raise ValueError(
+            "an item to score is a text, token ids or a (context, continuation) pair, "
+            f"got {item!r:.80}"
+        )
+
+    def score(
+        self, items: ScoreItem | Sequence[ScoreItem], adapter_name: str | None = None
+    ) -> list[Score] | Score:
+        """Log-likelihoods of texts (every token after the first), token-id lists, or
+        (context, continuation) pairs (the continuation's tokens given the context), batched
+        through the engine in one prefill each (no generation, no chat template). Returns one
+        Score per item, in order, or a single Score for a single item."""
+        single = isinstance(items, (str, tuple)) or (
+            isinstance(items, list) and bool(items) and all(isinstance(t, int) for t in items)
+        )
+        batch = [items] if single else list(items)
+        responses = new_queue()
+        scores = [Score(index=i) for i in range(len(batch))]
+        starts = [0] * len(batch)
+        cfg = GenerationConfig(max_new_tokens=0, prompt_logprobs=1)
+        submitted = 0
+        for i, item in enumerate(batch):
+            try:
+                ids, starts[i] = self._score_ids(item)
+            except ValueError as e:
+                scores[i].error = str(e)
+                continue
+            scores[i].token_ids = ids
+            req = AddRequest(
+                session_id=self.engine.new_session_id(),
+                input_ids=ids,
+                gen_config=cfg,
+                response_queue=responses,
+                adapter_name=adapter_name,
+                index=i,
+            )
+            self.engine.request_manager.submit(req)
+            submitted += 1
+        for r in _responses(responses, submitted):
+            if r.finish_reason is None:
+                continue
+            s = scores[r.index]
+            if r.finish_reason == "error":
+                s.token_ids, s.error = [], r.error
+                continue
+            scored = s.token_ids[starts[r.index] :]
+            entries = r.prompt_logprobs[starts[r.index] :]
+            s.token_ids = scored
+            s.logprobs = [e[t] for t, e in zip(scored, entries)]
+            s.is_greedy = all(e[t] >= max(e.values()) for t, e in zip(scored, entries))
+        return scores[0] if single else scores
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def close(self) -> None:

@@ -293,3 +293,42 @@ def test_config_checks_the_shape_of_research_fields():
         with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("(", r"\(")):
             GenerationConfig(**kwargs)
     assert GenerationConfig(output_hidden_states=[2, 0, 2]).output_hidden_states == (0, 2)
+
+
+def test_pipeline_score_texts_and_pairs_equal_transformers(tiny_llama_path):
+    from lmengine import Pipeline
+
+    path = tiny_llama_path
+    texts = ["The quick brown fox jumps over the lazy dog.", "Paged attention, scored."]
+    pairs = [("Question: 2 + 2 =", " 4"), ("The capital of France is ", "Paris")]
+    ids = random_prompts([19], 49152, seed=17)[0]
+    cfg = EngineConfig(block_size=4, num_gpu_blocks=256, max_prefill_token_num=8)
+    with Pipeline(Engine.from_pretrained(path, cfg)) as pipe:
+        scores = pipe.score([*texts, *pairs, ids, (ids[:5], ids[5:]), ("a", ""), list(range(1100))])
+        single = pipe.score(texts[0])
+        context, continuation = pipe.encode_pair(*pairs[1])
+        tok = pipe.tokenizer
+    assert single.logprobs == scores[0].logprobs
+    # the trailing space of the context moves to the continuation, as lm-eval does
+    assert context == tok("The capital of France is", add_special_tokens=False)["input_ids"]
+    assert tok.decode(continuation) == " Paris"
+    for item, score in zip([*texts, *pairs, ids, (ids[:5], ids[5:])], scores):
+        assert score.error is None
+        if isinstance(item, str):
+            tokens, first = tok(item)["input_ids"], 1
+        elif isinstance(item, list):
+            tokens, first = item, 1
+        elif isinstance(item[0], str):
+            c, x = pipe.encode_pair(*item)
+            tokens, first = c + x, len(c)
+        else:
+            tokens, first = item[0] + item[1], len(item[0])
+        lp, _ = hf_forward(path, tokens)
+        want = [lp[i - 1, tokens[i]].item() for i in range(first, len(tokens))]
+        assert score.token_ids == tokens[first:]
+        assert score.logprobs == pytest.approx(want, abs=TOL)
+        assert score.sum_logprob == pytest.approx(sum(want), abs=10 * TOL)
+        greedy = all(lp[i - 1].argmax().item() == tokens[i] for i in range(first, len(tokens)))
+        assert score.is_greedy == greedy
+    assert "non-empty context and continuation" in scores[-2].error
+    assert "session_len" in scores[-1].error

@@ -157,3 +157,33 @@ def test_bad_scoring_requests_are_400_and_the_server_goes_on(server, path, body,
     assert wait_idle(server)["lmengine_kv_blocks_used"] == 0
     ok = post(server, "/v1/completions", {"prompt": "Hello", "max_tokens": 2})
     assert ok.status_code == 200
+
+
+def test_chat_prompt_logprobs_whole_and_streamed(server, tiny_llama_path):
+    from transformers import AutoTokenizer
+
+    messages = [{"role": "user", "content": "Score this sentence, please."}]
+    ids = list(
+        AutoTokenizer.from_pretrained(tiny_llama_path).apply_chat_template(
+            messages, add_generation_prompt=True, return_dict=False
+        )
+    )
+    lp, _ = hf_forward(tiny_llama_path, ids)
+    body = {"messages": messages, "prompt_logprobs": 1, "max_tokens": 2}
+    whole = post(server, "/v1/chat/completions", body).json()["prompt_logprobs"]
+    events = []
+    with httpx.stream(
+        "POST",
+        server + "/v1/chat/completions",
+        json={**body, "stream": True},
+        headers=HEADERS,
+        timeout=60,
+    ) as stream:
+        for line in stream.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(json.loads(line[6:]))
+    streamed = [e["choices"][0]["prompt_logprobs"] for e in events if "prompt_logprobs" in str(e)]
+    assert streamed == [whole]
+    assert whole[0] is None and len(whole) == len(ids)
+    for i in range(1, len(ids)):
+        assert abs(whole[i][str(ids[i])]["logprob"] - lp[i - 1, ids[i]].item()) < TOL

@@ -102,3 +102,29 @@ def test_smollm2_long_prompts_in_one_prefill_step(smollm2_path):
         assert [r.token_ids for r in results] == expected
         assert steps[0] == (1652, 3), steps[:3]  # one prefill step of every prompt
         assert engine.stats()["num_free_blocks"] == engine.stats()["num_total_blocks"]
+
+
+@pytest.mark.slow
+def test_smollm2_prompt_logprobs_and_hidden_states_equal_transformers(smol_case):
+    """Scoring and reading SmolLM2 through the engine, batched, chunked and preempted."""
+    import torch
+
+    from tests.hf_reference import hf_forward
+
+    path, prompts, expected = smol_case
+    prompts = [p + e[:8] for p, e in zip(prompts[:8], expected)]  # longer, varied prompts
+    cfg = GenerationConfig(
+        max_new_tokens=4, prompt_logprobs=2, output_hidden_states=(15, 30), ignore_eos=True
+    )
+    config = EngineConfig(block_size=4, num_gpu_blocks=28, max_prefill_token_num=32)
+    with Engine.from_pretrained(path, config) as engine:
+        got = run_threads(engine, prompts, cfg, stagger_s=0.0)
+        assert engine.stats()["num_preemptions"] > 0
+    for prompt, r in zip(prompts, got):
+        lp, hidden = hf_forward(path, prompt + r.token_ids)
+        for i in range(1, len(prompt)):
+            assert abs(r.prompt_logprobs[i][prompt[i]] - lp[i - 1, prompt[i]].item()) < 1e-4
+        for layer in (15, 30):
+            h = r.hidden_states[layer]
+            assert h.shape[0] == len(prompt) + len(r.token_ids) - 1
+            torch.testing.assert_close(h, hidden[layer][: h.shape[0]], rtol=1e-4, atol=1e-3)

@@ -342,3 +342,42 @@ def test_step_channel_round_trip_and_growth():
     assert receiver.receive() == {"op": "store", "path": "/a/b é"}
     sender.send(None)
     assert receiver.receive() is None
+
+
+def test_tp2_research_hooks_equal_tp1(tiny_llama_path):
+    """Prompt logprobs, hidden states, steering (its vectors travel to every rank) and a
+    logits processor (rank 0) give with tp=2 what they give with tp=1, under preemption."""
+    from lmengine.config import SteeringVector
+
+    vector = torch.randn(64, generator=torch.Generator().manual_seed(0)) * 4
+    asks = [
+        dict(prompt_logprobs=2),
+        dict(output_hidden_states="all"),
+        dict(steering={1: SteeringVector(vector, start=3)}),
+        dict(logits_processors=[lambda ids, row: row.index_fill_(0, torch.arange(100), -1e9)]),
+    ]
+    prompts = _prompts(tiny_llama_path)
+    configs = [
+        GenerationConfig(max_new_tokens=NEW, **asks[i % len(asks)]) for i in range(len(prompts))
+    ]
+    results = {}
+    for tp in (1, 2):
+        engine = Engine.from_pretrained(
+            tiny_llama_path, EngineConfig(tp=tp, device="cpu", **PREEMPT)
+        )
+        try:
+            results[tp] = run_threads(engine, prompts, configs, num_threads=3)
+            if tp == 2:
+                assert engine.stats()["num_preemptions"] > 0
+                engine.check_integrity()
+        finally:
+            engine.close()
+    for one, two in zip(results[1], results[2]):
+        assert two.error is None and two.token_ids == one.token_ids
+        if one.prompt_logprobs is not None:
+            for a, b in zip(one.prompt_logprobs[1:], two.prompt_logprobs[1:]):
+                assert a.keys() == b.keys()
+                assert max(abs(a[t] - b[t]) for t in a) < 1e-4
+        if one.hidden_states is not None:
+            for layer, h in one.hidden_states.items():
+                torch.testing.assert_close(two.hidden_states[layer], h, rtol=1e-4, atol=1e-4)

@@ -14,7 +14,7 @@ from fastapi.responses import StreamingResponse
 from lmengine.serve.client import EngineClient
 from lmengine.serve.convert import gen_configs, text_of
 from lmengine.serve.jobs import Job
-from lmengine.serve.logprobs import chat_logprobs
+from lmengine.serve.logprobs import chat_logprobs, vllm_prompt_logprobs
 from lmengine.serve.protocol import ChatCompletionRequest
 from lmengine.serve.streaming import ChunkShape, finish_reason, run_job, stream_choices, wants_usage
 
@@ -29,7 +29,7 @@ async def create_chat_completion(
     max_tokens = body.max_completion_tokens or body.max_tokens
     num_top = body.top_logprobs or 0
     logprobs = num_top if body.logprobs else None
-    configs = gen_configs(body, 1, max_tokens, logprobs, client.session_len)
+    configs = gen_configs(body, 1, max_tokens, logprobs, client.session_len, body.prompt_logprobs)
     if max_tokens is None:  # NOTE: no limit asked: up to the end of the context
         for cfg in configs:
             cfg.max_new_tokens = max(1, client.session_len - len(ids))
@@ -61,7 +61,7 @@ def _whole(client: EngineClient, job: Job, body: ChatCompletionRequest, num_top:
                 "finish_reason": finish_reason(resp),
             }
         )
-    return {
+    answer = {
         "id": f"chatcmpl-{uuid.uuid4().hex}",
         "object": "chat.completion",
         "created": int(time.time()),
@@ -69,6 +69,12 @@ def _whole(client: EngineClient, job: Job, body: ChatCompletionRequest, num_top:
         "choices": choices,
         "usage": client.usage(job, body.n),
     }
+    if body.prompt_logprobs is not None:  # vLLM: once, beside the choices (one prompt)
+        first = job.choices[0]
+        answer["prompt_logprobs"] = vllm_prompt_logprobs(
+            first.input_ids, first.final, body.prompt_logprobs, client.token_text
+        )
+    return answer
 
 
 def _stream(
@@ -84,17 +90,26 @@ def _stream(
         for i in range(len(job.choices))
     ]
 
+    pending_prompt = [body.prompt_logprobs is not None] * len(job.choices)
+
     def make_chunk(i: int, resp, delta: str, start: int) -> dict | None:
         logprobs = None
         if body.logprobs:
             logprobs = {"content": chat_logprobs(resp, start, num_top, client.token_text)}
-        if not (delta or resp.finish_reason or (logprobs and logprobs["content"])):
+        extra = {}
+        if pending_prompt[i]:  # vLLM's prompt_logprobs: in each choice's first chunk
+            pending_prompt[i] = False
+            extra["prompt_logprobs"] = vllm_prompt_logprobs(
+                job.choices[i].input_ids, resp, body.prompt_logprobs, client.token_text
+            )
+        if not (delta or resp.finish_reason or (logprobs and logprobs["content"]) or extra):
             return None
         return shape.chunk(
             i,
             delta={"content": delta} if delta else {},
             logprobs=logprobs,
             finish_reason=finish_reason(resp),
+            **extra,
         )
 
     usage = (lambda: client.usage(job, body.n)) if wants_usage(body) else None
