@@ -236,23 +236,40 @@ class Pipeline:
         """Log-likelihoods of texts (every token after the first), token-id lists, or
         (context, continuation) pairs (the continuation's tokens given the context), batched
         through the engine in one prefill each (no generation, no chat template). Returns one
-        Score per item, in order, or a single Score for a single item."""
+        Score per item, in order, or a single Score for a single item.
+
+        Only the scored tokens get logits. With prefix caching on, pairs that share a context
+        (the choices of a multiple-choice question) compute it once: the first pair of each
+        context runs first, and the others start from its cached blocks."""
         single = isinstance(items, (str, tuple)) or (
             isinstance(items, list) and bool(items) and all(isinstance(t, int) for t in items)
         )
         batch = [items] if single else list(items)
-        responses = new_queue()
         scores = [Score(index=i) for i in range(len(batch))]
-        starts = [0] * len(batch)
-        cfg = GenerationConfig(max_new_tokens=0, prompt_logprobs=1)
-        submitted = 0
+        firsts: list[tuple[int, list[int], int]] = []  # (index, ids, first scored token)
+        others: list[tuple[int, list[int], int]] = []  # pairs whose context came before
+        contexts: set[tuple[int, ...]] = set()
         for i, item in enumerate(batch):
             try:
-                ids, starts[i] = self._score_ids(item)
+                ids, start = self._score_ids(item)
             except ValueError as e:
                 scores[i].error = str(e)
                 continue
-            scores[i].token_ids = ids
+            context = tuple(ids[:start])
+            (others if context in contexts else firsts).append((i, ids, start))
+            contexts.add(context)
+        if self.engine.engine_config.enable_prefix_caching:
+            self._score_batch(firsts, adapter_name, scores)
+            self._score_batch(others, adapter_name, scores)
+        else:  # nothing to reuse: one batch
+            self._score_batch(firsts + others, adapter_name, scores)
+        return scores[0] if single else scores
+
+    def _score_batch(self, items: list[tuple[int, list[int], int]], adapter_name, scores) -> None:
+        """Score (index, token ids, first scored token) items at once into `scores`."""
+        responses = new_queue()
+        for i, ids, start in items:
+            cfg = GenerationConfig(max_new_tokens=0, prompt_logprobs=1, prompt_logprobs_start=start)
             req = AddRequest(
                 session_id=self.engine.new_session_id(),
                 input_ids=ids,
@@ -262,20 +279,19 @@ class Pipeline:
                 index=i,
             )
             self.engine.request_manager.submit(req)
-            submitted += 1
-        for r in _responses(responses, submitted):
+        asked = {i: (ids, start) for i, ids, start in items}
+        for r in _responses(responses, len(items)):
             if r.finish_reason is None:
                 continue
             s = scores[r.index]
             if r.finish_reason == "error":
-                s.token_ids, s.error = [], r.error
+                s.error = r.error
                 continue
-            scored = s.token_ids[starts[r.index] :]
-            entries = r.prompt_logprobs[starts[r.index] :]
-            s.token_ids = scored
-            s.logprobs = [e[t] for t, e in zip(scored, entries)]
-            s.is_greedy = all(e[t] >= max(e.values()) for t, e in zip(scored, entries))
-        return scores[0] if single else scores
+            ids, start = asked[r.index]
+            s.token_ids = ids[start:]
+            entries = r.prompt_logprobs[start:]
+            s.logprobs = [e[t] for t, e in zip(s.token_ids, entries)]
+            s.is_greedy = all(e[t] >= max(e.values()) for t, e in zip(s.token_ids, entries))
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def close(self) -> None:

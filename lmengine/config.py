@@ -233,6 +233,9 @@ class GenerationConfig:
     num_return_sequences: int = 1  # beam search: best beams returned, <= num_beams
     # ---- research hooks (docs/research.md) --------------------------------------------------
     prompt_logprobs: int | None = None  # N: logprob of every prompt token + the top-N
+    # score prompt tokens from this index on (earlier entries None; their positions may then
+    # come from the prefix cache): a (context, continuation) pair scores its continuation
+    prompt_logprobs_start: int = 0
     output_hidden_states: tuple[int, ...] | str | None = None  # layer indices, or "all"
     # layer index (>= 1) -> a [hidden_size] tensor, or a SteeringVector (scale, start position)
     steering: dict | None = None
@@ -279,6 +282,7 @@ class GenerationConfig:
         size) are the engine's (`RequestValidator`)."""
         if self.prompt_logprobs is not None:
             _check_int("prompt_logprobs", self.prompt_logprobs, 0, 20)
+        _check_int("prompt_logprobs_start", self.prompt_logprobs_start, 0)
         layers = self.output_hidden_states
         if layers is not None and layers != "all":
             if isinstance(layers, int) and not isinstance(layers, bool):

@@ -332,3 +332,35 @@ def test_pipeline_score_texts_and_pairs_equal_transformers(tiny_llama_path):
         assert score.is_greedy == greedy
     assert "non-empty context and continuation" in scores[-2].error
     assert "session_len" in scores[-1].error
+
+
+def test_scoring_from_a_start_reuses_cached_contexts(tiny_llama_path):
+    """Pairs sharing a context (multiple choice): with prefix caching the context's blocks are
+    computed once, and the continuations' logprobs still equal transformers'."""
+    from lmengine import Pipeline
+
+    path = tiny_llama_path
+    contexts = random_prompts([41, 37, 50], 49152, seed=19)
+    choices = random_prompts([3, 6, 4, 5], 49152, seed=20)
+    pairs = [(c, x) for c in contexts for x in choices]
+    cfg = EngineConfig(block_size=4, num_gpu_blocks=512, enable_prefix_caching=True)
+    with Pipeline(Engine.from_pretrained(path, cfg)) as pipe:
+        scores = pipe.score(pairs)
+        stats = pipe.engine.stats()
+        engine_scores = pipe.engine.create_instance().infer(
+            0,
+            contexts[0] + choices[0],
+            gen_config=GenerationConfig(
+                max_new_tokens=0, prompt_logprobs=0, prompt_logprobs_start=len(contexts[0])
+            ),
+        )
+    # the first pair of each context computes it; the other three start from its blocks
+    assert stats["num_prefix_cached_tokens"] >= 3 * 3 * 36
+    for (c, x), score in zip(pairs, scores):
+        lp, _ = hf_forward(path, c + x)
+        want = [lp[len(c) + j - 1, t].item() for j, t in enumerate(x)]
+        assert score.token_ids == x
+        assert score.logprobs == pytest.approx(want, abs=TOL)
+    entries = engine_scores.prompt_logprobs
+    assert entries[: len(contexts[0])] == [None] * len(contexts[0])
+    assert all(e is not None for e in entries[len(contexts[0]) :])

@@ -355,8 +355,8 @@ class Engine:
             adapter_id=adapter_id,
             research=req.research,
         )
-        if req.research is not None:  # prefix caching: see ResearchSpec.reads_every_position
-            seq.reuses_cache = not req.research.reads_every_position
+        if req.research is not None:  # prefix caching: see ResearchSpec.max_cached_tokens
+            seq.max_cached_tokens = req.research.max_cached_tokens
             seq.shares_cache = not req.research.steering
         self.outputs.add(req, seq)
         self.scheduler.add_sequence(seq)

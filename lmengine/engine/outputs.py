@@ -105,7 +105,9 @@ class OutputProcessor:
         state = RequestState(req, seq, detok, logprobs, text)
         spec = seq.research
         if spec is not None:
-            state.prompt_logprobs = [None] if spec.prompt_logprobs is not None else None
+            if spec.prompt_logprobs is not None:  # None before the first scored token
+                first = min(max(1, spec.prompt_logprobs_start), seq.num_prompt_tokens)
+                state.prompt_logprobs = [None] * first
             state.hidden = HiddenStates(spec.hidden_layers) if spec.hidden_layers else None
         self.states[req.session_id] = state
 

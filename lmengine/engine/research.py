@@ -28,14 +28,22 @@ class ResearchSpec:
     """What one request asks of the forward, in the form each step carries."""
 
     prompt_logprobs: int | None = None  # top-N alternatives per prompt token
+    prompt_logprobs_start: int = 0  # first prompt token scored
     hidden_layers: tuple[int, ...] = ()  # indices as transformers' output_hidden_states
     steering: tuple[tuple[int, torch.Tensor, int], ...] = ()  # (layer, scaled [hidden], start)
 
     @property
-    def reads_every_position(self) -> bool:
-        """Prompt logprobs and hidden states need every prompt position computed: such a
-        request never starts from cached prefix blocks."""
-        return self.prompt_logprobs is not None or bool(self.hidden_layers)
+    def max_cached_tokens(self) -> int | None:
+        """Leading tokens the request may take from the prefix cache (None: any): none when
+        it reads hidden states (every position must run), fewer than the first scored token
+        (the position before it gives its logprob), and those before its first steered
+        position (a cached block was computed without the vector)."""
+        if self.hidden_layers:
+            return 0
+        limits = [start for _, _, start in self.steering]
+        if self.prompt_logprobs is not None:
+            limits.append(max(0, self.prompt_logprobs_start - 1))
+        return min(limits, default=None)
 
     @classmethod
     def from_config(
@@ -64,7 +72,8 @@ class ResearchSpec:
                     f"1..{num_layers}"
                 )
             steering.append((layer, _steering_vector(layer, sv, hidden_size), sv.start))
-        return cls(cfg.prompt_logprobs, layers, tuple(steering))
+        start = cfg.prompt_logprobs_start
+        return cls(cfg.prompt_logprobs, start, layers, tuple(steering))
 
 
 def _steering_vector(layer: int, sv, hidden_size: int) -> torch.Tensor:
@@ -90,18 +99,21 @@ def _steering_vector(layer: int, sv, hidden_size: int) -> torch.Tensor:
 def prompt_logprobs(
     logits: torch.Tensor, seqs: list
 ) -> tuple[torch.Tensor, dict[int, tuple[int, list[dict[int, float]]]]]:
-    """Split a step's logits [num_logits, vocab] into the prompt-scoring rows (each sequence's
-    first `num_prompt_logits`) and the rest (returned, for sampling). Each scoring row at
-    position p gives the logprob of prompt token p + 1 and the top-N alternatives.
+    """Split a step's logits [num_logits, vocab] into the prompt-scoring rows (per sequence
+    `num_prompt_logits` rows, before its sampling rows) and the rest (returned, for sampling).
+    The scoring row of position p gives the logprob of prompt token p + 1 and the top N.
 
-    Returns (rest of the logits, seq_id -> (index of its first scored prompt token, one
-    {token_id: logprob} per scored token))."""
+    logprob = logit - logsumexp(row): the log-softmax is never written out, and a prompt token
+    that is the row's top token gets the very same float as the top entry (lm-eval compares
+    them for `is_greedy`). Returns (rest of the logits, seq_id -> (index of its first scored
+    prompt token, one {token_id: logprob} per scored token))."""
     score_rows, rest_rows, targets = [], [], []
     row = 0
     for s in seqs:
         n = s.num_prompt_logits
+        first = s.start_pos + s.prompt_logits_offset + 1  # first prompt token scored
         score_rows.extend(range(row, row + n))
-        targets.extend(s.token_ids[s.start_pos + 1 : s.start_pos + 1 + n])
+        targets.extend(s.token_ids[first : first + n])
         rest_rows.extend(range(row + n, row + n + s.num_logits))
         row += n + s.num_logits
     device = logits.device
@@ -109,12 +121,16 @@ def prompt_logprobs(
     target_t = torch.tensor(targets, device=device)[:, None]  # [num_scored, 1]
     num_top = max(s.gen_config.prompt_logprobs or 0 for s in seqs if s.num_prompt_logits)
     chosen, top_values, top_ids = [], [], []
-    for block in range(0, len(score_rows), _SCORE_BLOCK_ROWS):
-        lp = scores[block : block + _SCORE_BLOCK_ROWS].float().log_softmax(-1)
-        chosen.append(lp.gather(1, target_t[block : block + _SCORE_BLOCK_ROWS])[:, 0])
+    for at in range(0, len(score_rows), _SCORE_BLOCK_ROWS):
+        block = scores[at : at + _SCORE_BLOCK_ROWS].float()  # [rows, vocab]
+        lse = torch.logsumexp(block, -1, keepdim=True)  # [rows, 1]
+        chosen.append((block.gather(1, target_t[at : at + _SCORE_BLOCK_ROWS]) - lse)[:, 0])
+        if num_top == 1:
+            values, ids = block.max(-1, keepdim=True)
+        elif num_top:
+            values, ids = block.topk(num_top, -1)
         if num_top:
-            values, ids = lp.topk(num_top, -1)
-            top_values.append(values)
+            top_values.append(values - lse)
             top_ids.append(ids)
     chosen_l = torch.cat(chosen).tolist()
     values_l = torch.cat(top_values).tolist() if num_top else None
@@ -131,7 +147,7 @@ def prompt_logprobs(
             entry = dict(zip(ids_l[j][:k], values_l[j][:k])) if k else {}
             entry[targets[j]] = chosen_l[j]
             entries.append(entry)
-        out[s.seq_id] = (s.start_pos + 1, entries)
+        out[s.seq_id] = (s.start_pos + s.prompt_logits_offset + 1, entries)
         i += n
     rest = logits[torch.tensor(rest_rows, device=device, dtype=torch.long)]
     return rest, out

@@ -67,6 +67,7 @@ class ModelRunner:
             self.kv_token_bytes,
             [s.num_logits for s in seqs] if has_drafts or has_scoring else None,
             [s.num_prompt_logits for s in seqs] if has_scoring else None,
+            [s.prompt_logits_offset for s in seqs] if has_scoring else None,
         )
         if any(s.hidden_layers or s.steering for s in seqs):
             ctx.hooks = self._hooks(inputs)

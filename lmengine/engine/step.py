@@ -44,7 +44,9 @@ class SeqInput(TokenCounts):
     num_lookahead: int = 0  # draft slots the scheduler allocated past the chunk
     num_drafts: int = 0  # trailing input_ids that are drafts
     # ---- research hooks (every rank: they shape the forward; see engine/research.py) -------
-    num_prompt_logits: int = 0  # leading input_ids whose logits score the next prompt token
+    # input_ids [prompt_logits_offset, + num_prompt_logits) get logits scoring the next token
+    num_prompt_logits: int = 0
+    prompt_logits_offset: int = 0
     hidden_layers: tuple[int, ...] = ()  # layers whose rows of this step are copied out
     steering: tuple = ()  # (layer, scaled vector [hidden], first position steered)
     # ---- rank 0 only (sampling); `StepInput.for_workers` leaves them out -------------------
@@ -99,9 +101,13 @@ class StepInput:
             )
             spec = seq.research  # ResearchSpec or None
             if spec is not None:
-                if spec.prompt_logprobs is not None:  # rows at positions p < prompt end - 1
-                    end = min(start + item.num_new_tokens, seq.num_prompt_tokens - 1)
-                    seq_input.num_prompt_logits = max(0, end - start)
+                if spec.prompt_logprobs is not None:
+                    # row p scores prompt token p + 1, for start <= p + 1 < num_prompt_tokens
+                    lo = max(start, max(1, spec.prompt_logprobs_start) - 1)
+                    hi = min(start + item.num_new_tokens, seq.num_prompt_tokens - 1)
+                    if hi > lo:
+                        seq_input.num_prompt_logits = hi - lo
+                        seq_input.prompt_logits_offset = lo - start
                 seq_input.hidden_layers = spec.hidden_layers
                 seq_input.steering = spec.steering
             seqs.append(seq_input)

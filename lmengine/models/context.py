@@ -60,13 +60,14 @@ def build_step_context(
     kv_token_bytes: int = 0,
     num_logits: list[int] | None = None,
     num_leading_logits: list[int] | None = None,
+    leading_offsets: list[int] | None = None,
 ) -> StepContext:
     """The context of one packed step: sequence b computes `q_lens[b]` tokens from position
     `start_pos[b]` on, in the blocks of `block_tables[b]`; rows with `needs_sample` get logits
     of their last token, or of their last `num_logits[b]` tokens when given (speculative
-    decoding verifies every drafted token), after the logits of their first
-    `num_leading_logits[b]` tokens when given (prompt scoring). Shared by the ModelAgent and
-    every tensor-parallel rank, so they pack identically."""
+    decoding verifies every drafted token), after the logits of `num_leading_logits[b]` tokens
+    from its token `leading_offsets[b]` on when given (prompt scoring). Shared by the
+    ModelAgent and every tensor-parallel rank, so they pack identically."""
     q_lens_t = torch.tensor(q_lens)
     kv_lens = [s + n for s, n in zip(start_pos, q_lens)]
     # position of every packed token: start of its sequence + offset within the chunk
@@ -85,14 +86,17 @@ def build_step_context(
     if num_logits is None and num_leading_logits is None:
         sample_rows = torch.tensor(needs_sample, dtype=torch.bool)
         logits_indices = (first_token + q_lens_t - 1)[sample_rows]  # [num_samples]
-    else:  # per sequence its first num_leading_logits[b] rows, then its last num_logits[b]
+    else:  # per sequence its num_leading_logits[b] scoring rows, then its last num_logits[b]
         trailing = torch.tensor(num_logits if num_logits is not None else needs_sample).long()
         leading = torch.tensor(num_leading_logits or [0] * len(q_lens)).long()
+        lead_from = torch.tensor(leading_offsets or [0] * len(q_lens)).long()
         counts = leading + trailing  # [B]
         seq_of_row = torch.repeat_interleave(torch.arange(len(q_lens)), counts)
         rank = torch.arange(int(counts.sum())) - (torch.cumsum(counts, 0) - counts)[seq_of_row]
         offset = torch.where(
-            rank < leading[seq_of_row], rank, q_lens_t[seq_of_row] - counts[seq_of_row] + rank
+            rank < leading[seq_of_row],
+            lead_from[seq_of_row] + rank,
+            q_lens_t[seq_of_row] - counts[seq_of_row] + rank,
         )
         logits_indices = first_token[seq_of_row] + offset  # [num_logits]
     return StepContext(

@@ -107,11 +107,14 @@ class BlockManager:
         computed and returns how many there are."""
         if self.prefix_cache is None or seq.block_table or seq.num_computed_tokens:
             return 0
-        if not seq.reuses_cache:
+        num_blocks = (seq.num_tokens - 1) // self.block_size
+        if seq.max_cached_tokens is not None:
+            num_blocks = min(num_blocks, seq.max_cached_tokens // self.block_size)
+        if num_blocks <= 0:
             return 0
         cache = self.prefix_cache
         seq.block_keys = []
-        for i in range((seq.num_tokens - 1) // self.block_size):
+        for i in range(num_blocks):
             key = self._key(seq, i)
             block_id = cache.block_of.get(key)
             if block_id is None:

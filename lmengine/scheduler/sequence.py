@@ -72,10 +72,11 @@ class Sequence(TokenCounts):
     # and the first to give its blocks back when nothing else can run
     parked: bool = False
     max_seq_len: int | None = None  # the engine's session_len (set by the Scheduler)
-    # prefix caching (set by the engine from the request): whether the sequence may start
-    # from cached blocks (not when it must compute every prompt position: prompt logprobs,
-    # hidden states) and whether its blocks may serve others (not when steering changed them)
-    reuses_cache: bool = True
+    # prefix caching (set by the engine from the request): how many leading tokens may come
+    # from cached blocks (None: any; fewer when positions must be computed for prompt
+    # logprobs or hidden states, or run steered) and whether its blocks may serve others (not
+    # when steering changed them)
+    max_cached_tokens: int | None = None
     shares_cache: bool = True
     research: Any = None  # the request's ResearchSpec (engine/research.py), opaque here
 
