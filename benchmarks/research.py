@@ -50,10 +50,24 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+def busy_fraction(seconds: float = 2.0) -> float:
+    """Share of the CPUs' time spent outside idle over `seconds` (this process sleeps), from
+    /proc/stat; the 1-minute load average would still count work that ended a minute ago."""
+
+    def sample() -> tuple[int, int]:
+        fields = [int(x) for x in open("/proc/stat").readline().split()[1:]]
+        return sum(fields), fields[3] + fields[4]  # total, idle + iowait
+
+    total0, idle0 = sample()
+    time.sleep(seconds)
+    total1, idle1 = sample()
+    return 1 - (idle1 - idle0) / max(1, total1 - total0)
+
+
 def check_idle(force: bool) -> None:
-    load = os.getloadavg()[0]
-    if load > 0.5:
-        message = f"load average {load:.2f}: the machine is busy, figures would be wrong"
+    busy = busy_fraction()
+    if busy > 0.1:
+        message = f"the CPUs are {busy:.0%} busy: the figures would be wrong"
         if not force:
             sys.exit(f"{message} (--force to run anyway)")
         log(f"WARNING: {message}")
@@ -89,6 +103,7 @@ def scoring(engine: Engine, hf, pairs: list[tuple[str, str]], args) -> dict:
     ]
 
     def run_lm() -> tuple[float, list[float]]:
+        engine.reset_prefix_cache()  # NOTE: no run reuses the blocks of an earlier one
         t0 = time.perf_counter()
         scores = pipe.score(pairs)
         return time.perf_counter() - t0, [s.sum_logprob for s in scores]
@@ -207,6 +222,7 @@ def main() -> None:
         "cpu": cpu_model(),
         "date": time.strftime("%Y-%m-%d"),
         "loadavg_at_start": list(os.getloadavg()),
+        "busy_fraction_at_start": round(busy_fraction(), 3),
         "torch_threads": torch.get_num_threads(),
     }
     if args.part in ("scoring", "both"):

@@ -195,9 +195,9 @@ class Pipeline:
     # ---- scoring ------------------------------------------------------------------------------
     def encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
         """Token ids of (context, continuation), split as lm-evaluation-harness does: the
-        whole text is tokenized once and the continuation is what follows the context's
-        tokens (spaces ending the context move to the continuation; an empty context
-        becomes the BOS, else EOS, token)."""
+        context's tokens, then the tokens of the whole text after as many (spaces ending the
+        context move to the continuation; an empty context becomes the BOS, else EOS,
+        token)."""
         num_spaces = len(context) - len(context.rstrip())
         if num_spaces:
             context, continuation = context[:-num_spaces], context[-num_spaces:] + continuation
@@ -207,8 +207,10 @@ class Pipeline:
             prefix = self.tokenizer.eos_token_id if prefix is None else prefix
             return [prefix], list(encode(continuation, add_special_tokens=False)["input_ids"])
         whole = list(encode(context + continuation, add_special_tokens=False)["input_ids"])
-        num_context = len(encode(context, add_special_tokens=False)["input_ids"])
-        return whole[:num_context], whole[num_context:]
+        context_ids = list(encode(context, add_special_tokens=False)["input_ids"])
+        # NOTE: lm-eval's split exactly: the context's own tokens, then the whole text's tokens
+        # after as many (where a token merges across the boundary, its text is dropped)
+        return context_ids, whole[len(context_ids) :]
 
     def _score_ids(self, item: ScoreItem) -> tuple[list[int], int]:
         """(token ids, index of the first scored token) of one item."""

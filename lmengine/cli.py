@@ -85,6 +85,11 @@ def cmd_generate(args) -> int:
                 ]
             if out.logprobs is not None:
                 record["logprobs"] = [{str(k): v for k, v in d.items()} for d in out.logprobs]
+            if out.prompt_logprobs is not None:
+                record["prompt_logprobs"] = [
+                    None if d is None else {str(k): v for k, v in d.items()}
+                    for d in out.prompt_logprobs
+                ]
             sink.write(json.dumps(record, ensure_ascii=False) + "\n")
         if not args.quiet:
             body = out.text if out.finish_reason != "error" else f"[error] {out.error}"

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+# GenerationConfig fields that hold Python objects (tensors, callables): no command-line flag
+PYTHON_ONLY_FIELDS = frozenset({"output_hidden_states", "steering", "logits_processors"})
 DEVICES = ("auto", "cuda", "cpu")
 EVICTION_TYPES = ("recompute", "swap")
 QUANT_POLICIES = (None, "w8a8")

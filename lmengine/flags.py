@@ -18,7 +18,7 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
-from lmengine.config import EngineConfig
+from lmengine.config import PYTHON_ONLY_FIELDS, EngineConfig
 
 
 class FlagError(ValueError):
@@ -63,6 +63,8 @@ def add_dataclass_flags(parser: argparse.ArgumentParser, cls, title: str, defaul
     helps = field_help(cls)
     defaults = defaults or {}
     for f in dataclasses.fields(cls):
+        if f.name in PYTHON_ONLY_FIELDS:
+            continue
         flag = "--" + f.name.replace("_", "-")
         ann = str(f.type)
         default = defaults.get(f.name, f.default)

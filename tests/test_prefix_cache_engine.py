@@ -149,3 +149,21 @@ def test_adapters_never_share_blocks_and_a_re_added_name_gets_fresh_kv(
         engine.check_integrity()
     finally:
         engine.close()
+
+
+def test_reset_prefix_cache_drops_unused_blocks(tiny_llama_path):
+    from lmengine import Engine, EngineConfig, GenerationConfig
+
+    cfg = EngineConfig(block_size=4, num_gpu_blocks=64, enable_prefix_caching=True)
+    prompt = list(range(10, 40))
+    with Engine.from_pretrained(tiny_llama_path, cfg) as engine:
+        inst = engine.create_instance()
+        inst.infer(0, prompt, gen_config=GenerationConfig(max_new_tokens=2))
+        assert engine.stats()["num_prefix_cached_blocks"] > 0
+        dropped = engine.reset_prefix_cache()
+        stats = engine.stats()
+        assert dropped > 0 and stats["num_prefix_cached_blocks"] == 0
+        assert stats["num_free_blocks"] == stats["num_total_blocks"]
+        engine.check_integrity()
+        inst.infer(1, prompt, gen_config=GenerationConfig(max_new_tokens=2))
+        assert engine.stats()["num_prefix_cached_tokens"] == 0  # recomputed, not reused

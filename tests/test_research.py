@@ -364,3 +364,27 @@ def test_scoring_from_a_start_reuses_cached_contexts(tiny_llama_path):
     entries = engine_scores.prompt_logprobs
     assert entries[: len(contexts[0])] == [None] * len(contexts[0])
     assert all(e is not None for e in entries[len(contexts[0]) :])
+
+
+@pytest.mark.parametrize(
+    "context, continuation",
+    [("Flour,", ". Some erupt"), ("The capital of France is ", "Paris"), ("Q: 2+2=", "4\n")],
+)
+def test_encode_pair_splits_as_lm_eval(smollm2_path, context, continuation):
+    """lm-eval's own split (TemplateLM._encode_pair), also where a token merges across the
+    boundary (",." here): the scores then equal its hf backend's."""
+    from types import SimpleNamespace
+
+    from lm_eval.api.model import TemplateLM
+    from transformers import AutoTokenizer
+
+    from lmengine.api import Pipeline
+
+    tok = AutoTokenizer.from_pretrained(smollm2_path)
+    fake = SimpleNamespace(
+        backend="causal", tok_encode=lambda s: tok(s, add_special_tokens=False)["input_ids"]
+    )
+    want = TemplateLM._encode_pair(fake, context, continuation)
+    pipe = Pipeline.__new__(Pipeline)
+    pipe.tokenizer = tok
+    assert pipe.encode_pair(context, continuation) == (list(want[0]), list(want[1]))

@@ -249,6 +249,11 @@ class Engine:
         """Assert that every KV block is owned exactly by the live sequences (loop-thread safe)."""
         self.call(self.scheduler.check_integrity)
 
+    def reset_prefix_cache(self) -> int:
+        """Drop every cached prefix block no request uses (as vLLM's `reset_prefix_cache`):
+        later requests recompute those prefixes. Returns the number of blocks dropped."""
+        return self.call(self.scheduler.block_manager.reset_prefix_cache)
+
     def stats(self) -> dict:
         """Scheduler counters (see `Scheduler.stats`): queue lengths incl. `num_swapped`, free
         blocks of both pools, preemptions, per-group QoS counters under "qos", and with

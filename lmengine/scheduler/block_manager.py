@@ -126,6 +126,17 @@ class BlockManager:
         self.num_prefix_hit_blocks += len(seq.block_table)
         return seq.num_computed_tokens
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block nobody references (they go back to the free list);
+        blocks in use stay. Returns how many were dropped."""
+        if self.prefix_cache is None:
+            return 0
+        dropped = 0
+        while self.prefix_cache.evictable:
+            self.device.free_ids.append(self.prefix_cache.evict())
+            dropped += 1
+        return dropped
+
     def forget_adapter(self, adapter_name: str) -> None:
         """An adapter is removed: its cached blocks are never matched again."""
         if self.prefix_cache is not None:
