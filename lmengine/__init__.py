@@ -16,7 +16,9 @@ _EXPORTS = {
     "GenerationConfig": "lmengine.config",
     "Pipeline": "lmengine.api",
     "Response": "lmengine.engine.request",
+    "Score": "lmengine.api",
     "SpeculativeConfig": "lmengine.config",
+    "SteeringVector": "lmengine.config",
     "pipeline": "lmengine.api",
 }
 

@@ -17,9 +17,9 @@ import torch
 
 from lmengine.config import GenerationConfig
 from lmengine.engine.request import RequestError
+from lmengine.kernels.logprobs import logsumexp_max_rows
 
-# NOTE: rows of prompt logits turned into logprobs at once: bounds the float32 log-softmax
-# temporaries (rows x vocab) of a long prefill
+# NOTE: rows of prompt logits searched for their top N at once (N > 1): bounds the copies
 _SCORE_BLOCK_ROWS = 512
 
 
@@ -117,22 +117,20 @@ def prompt_logprobs(
         rest_rows.extend(range(row + n, row + n + s.num_logits))
         row += n + s.num_logits
     device = logits.device
-    scores = logits[torch.tensor(score_rows, device=device)]  # [num_scored, vocab]
-    target_t = torch.tensor(targets, device=device)[:, None]  # [num_scored, 1]
+    rows = torch.tensor(score_rows, device=device)  # [num_scored]
+    lse, best, best_ids = logsumexp_max_rows(logits, rows)  # [num_scored] each
+    chosen = logits[rows, torch.tensor(targets, device=device)] - lse  # [num_scored]
     num_top = max(s.gen_config.prompt_logprobs or 0 for s in seqs if s.num_prompt_logits)
-    chosen, top_values, top_ids = [], [], []
-    for at in range(0, len(score_rows), _SCORE_BLOCK_ROWS):
-        block = scores[at : at + _SCORE_BLOCK_ROWS].float()  # [rows, vocab]
-        lse = torch.logsumexp(block, -1, keepdim=True)  # [rows, 1]
-        chosen.append((block.gather(1, target_t[at : at + _SCORE_BLOCK_ROWS]) - lse)[:, 0])
-        if num_top == 1:
-            values, ids = block.max(-1, keepdim=True)
-        elif num_top:
-            values, ids = block.topk(num_top, -1)
-        if num_top:
-            top_values.append(values - lse)
+    top_values, top_ids = [], []
+    if num_top == 1:
+        top_values, top_ids = [(best - lse)[:, None]], [best_ids[:, None]]
+    elif num_top:
+        for at in range(0, len(score_rows), _SCORE_BLOCK_ROWS):
+            part = rows[at : at + _SCORE_BLOCK_ROWS]
+            values, ids = logits.index_select(0, part).topk(num_top, -1)  # [rows, num_top]
+            top_values.append(values - lse[at : at + _SCORE_BLOCK_ROWS, None])
             top_ids.append(ids)
-    chosen_l = torch.cat(chosen).tolist()
+    chosen_l = chosen.tolist()
     values_l = torch.cat(top_values).tolist() if num_top else None
     ids_l = torch.cat(top_ids).tolist() if num_top else None
     out: dict[int, tuple[int, list[dict[int, float]]]] = {}
@@ -149,8 +147,9 @@ def prompt_logprobs(
             entries.append(entry)
         out[s.seq_id] = (s.start_pos + s.prompt_logits_offset + 1, entries)
         i += n
-    rest = logits[torch.tensor(rest_rows, device=device, dtype=torch.long)]
-    return rest, out
+    if not rest_rows:  # no sequence samples this step (prefill chunks only)
+        return logits[:0], out
+    return logits[torch.tensor(rest_rows, device=device)], out
 
 
 class HiddenStates:

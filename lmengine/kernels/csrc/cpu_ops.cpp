@@ -456,6 +456,61 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   return out;
 }
 
+// Per selected row r = rows[k] of x [M, N] float32: its log-sum-exp, maximum and the first
+// index of the maximum -> ([K] float32, [K] float32, [K] int64). Scoring a prompt needs only
+// these and one logit per row (logprob = logit - lse), so the [K, N] log-softmax is never
+// written: one vectorised pass for the maximum, one for sum(exp(x - max)), while the row is
+// in cache. NaN rows give NaN (as torch.logsumexp).
+std::vector<at::Tensor> logsumexp_max_rows(const at::Tensor& x, const at::Tensor& rows) {
+  check_cpu_f32(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) > 0, "logsumexp_max_rows: x must be [M, N] with N > 0");
+  TORCH_CHECK(rows.device().is_cpu() && rows.scalar_type() == at::kLong && rows.dim() == 1 &&
+                  rows.is_contiguous(),
+              "logsumexp_max_rows: rows must be a contiguous int64 CPU vector");
+  const int64_t m = x.size(0), n = x.size(1), k = rows.size(0);
+  const int64_t* rp = rows.data_ptr<int64_t>();
+  for (int64_t i = 0; i < k; ++i) {
+    TORCH_CHECK(rp[i] >= 0 && rp[i] < m, "logsumexp_max_rows: row ", rp[i], " out of range");
+  }
+  auto lse = at::empty({k}, x.options());
+  auto best = at::empty({k}, x.options());
+  auto at_best = at::empty({k}, x.options().dtype(at::kLong));
+  const float* xp = x.data_ptr<float>();
+  float* lp = lse.data_ptr<float>();
+  float* bp = best.data_ptr<float>();
+  int64_t* ip = at_best.data_ptr<int64_t>();
+  at::parallel_for(0, k, rows_per_task(n, 65536), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float* row = xp + rp[i] * n;
+      float mx = -std::numeric_limits<float>::infinity();
+      int nan = 0;
+#pragma omp simd reduction(max : mx) reduction(| : nan)
+      for (int64_t j = 0; j < n; ++j) {
+        mx = std::max(mx, row[j]);
+        nan |= row[j] != row[j];
+      }
+      if (nan) {
+        lp[i] = bp[i] = std::numeric_limits<float>::quiet_NaN();
+        int64_t at = 0;
+        while (row[at] == row[at]) ++at;
+        ip[i] = at;
+        continue;
+      }
+      int64_t at = 0;
+      while (at < n - 1 && row[at] != mx) ++at;
+      float sum = 0.f;
+      if (std::isfinite(mx)) {
+#pragma omp simd reduction(+ : sum)
+        for (int64_t j = 0; j < n; ++j) sum += exp_approx(row[j] - mx);
+      }
+      lp[i] = std::isfinite(mx) ? mx + std::log(sum) : mx;
+      bp[i] = mx;
+      ip[i] = at;
+    }
+  });
+  return {lse, best, at_best};
+}
+
 void register_w8a8_ops(py::module& m);  // w8a8_ops.cpp
 void register_lora_ops(py::module& m);  // lora_ops.cpp
 void register_rotary_ops(py::module& m);  // rotary_ops.cpp
@@ -470,6 +525,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_layer_ops(m);
   m.def("argmax_rows", &argmax_rows, "first index of each row's maximum (float32 [M, N])",
         py::arg("x"));
+  m.def("logsumexp_max_rows", &logsumexp_max_rows,
+        "log-sum-exp, maximum and its first index of selected rows (float32 [M, N])",
+        py::arg("x"), py::arg("rows"));
   m.def("paged_decode_attention", &paged_decode_attention,
         "decode attention over the paged KV cache (float32, CPU)", py::arg("q"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("kv_lens"),
