@@ -20,9 +20,8 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
-
-import httpx
 
 from lmengine.engine.loader import resolve_model_path
 
@@ -95,9 +94,10 @@ def main() -> None:
         url = f"http://127.0.0.1:{port}"
         for _ in range(600):
             try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
+                with urllib.request.urlopen(url + "/health", timeout=1) as answer:
+                    if answer.status == 200:
+                        break
+            except OSError:
                 time.sleep(0.5)
         with tempfile.TemporaryDirectory() as tmp:
             api = lm_eval(
@@ -115,7 +115,7 @@ def main() -> None:
     print("| --- | --- | ---: | ---: |")
     for task, metrics in hf[1].items():
         for name, value in metrics.items():
-            if name == "alias" or "stderr" in name:
+            if name == "alias" or "stderr" in name or not isinstance(value, (int, float)):
                 continue
             print(f"| {task} | {name} | {api[1][task][name]:.4f} | {value:.4f} |")
     print(f"\nlargest per-request log-likelihood difference: {diff:.2e}; greedy flags equal: "
