@@ -117,17 +117,21 @@ class Pipeline:
             except ValueError as e:
                 responses.put(Response(finish_reason="error", error=str(e), index=i))
                 continue
-            req = AddRequest(
-                session_id=self.engine.new_session_id(),
-                input_ids=ids,
-                gen_config=cfg if cfg is not None else GenerationConfig(),
-                response_queue=responses,
-                adapter_name=adapter,
-                priority=priority,
-                user_id=user,
-                index=i,
-            )
-            self.engine.request_manager.submit(req)
+            self._add(ids, cfg, responses, i, adapter, priority, user)
+
+    def _add(self, ids, cfg, responses, index, adapter=None, priority=None, user=None) -> None:
+        """Submit one request whose Responses go to `responses`, tagged with `index`."""
+        req = AddRequest(
+            session_id=self.engine.new_session_id(),
+            input_ids=ids,
+            gen_config=cfg if cfg is not None else GenerationConfig(),
+            response_queue=responses,
+            adapter_name=adapter,
+            priority=priority,
+            user_id=user,
+            index=index,
+        )
+        self.engine.request_manager.submit(req)
 
     # ---- generation ---------------------------------------------------------------------------
     def stream_infer(
@@ -272,15 +276,7 @@ class Pipeline:
         responses = new_queue()
         for i, ids, start in items:
             cfg = GenerationConfig(max_new_tokens=0, prompt_logprobs=1, prompt_logprobs_start=start)
-            req = AddRequest(
-                session_id=self.engine.new_session_id(),
-                input_ids=ids,
-                gen_config=cfg,
-                response_queue=responses,
-                adapter_name=adapter_name,
-                index=i,
-            )
-            self.engine.request_manager.submit(req)
+            self._add(ids, cfg, responses, i, adapter_name)
         asked = {i: (ids, start) for i, ids, start in items}
         for r in _responses(responses, len(items)):
             if r.finish_reason is None:

@@ -35,6 +35,16 @@ def post(url: str, path: str, body: dict) -> httpx.Response:
     return httpx.post(url + path, json=body, headers=HEADERS, timeout=120)
 
 
+def stream_events(url: str, path: str, body: dict) -> list[dict]:
+    """The JSON events of a streamed answer, `[DONE]` left out."""
+    events = []
+    with httpx.stream("POST", url + path, json=body, headers=HEADERS, timeout=60) as stream:
+        for line in stream.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(json.loads(line[6:]))
+    return events
+
+
 def test_echo_logprobs_score_the_prompt_as_transformers(server, tiny_llama_path):
     prompts = random_prompts([37, 12, 58], 49152, seed=21)
     r = post(
@@ -94,17 +104,8 @@ def test_prompt_logprobs_extension_and_streaming(server, tiny_llama_path):
         ranked = sorted((v["rank"], int(k)) for k, v in entry.items() if v["rank"] is not None)
         assert [t for _, t in ranked] == lp[i - 1].topk(3).indices.tolist()
     # streamed: the echo and its logprobs ride in the first chunk
-    events = []
-    with httpx.stream(
-        "POST",
-        server + "/v1/completions",
-        json={"prompt": ids, "echo": True, "logprobs": 0, "max_tokens": 3, "stream": True},
-        headers=HEADERS,
-        timeout=60,
-    ) as stream:
-        for line in stream.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                events.append(json.loads(line[6:]))
+    body = {"prompt": ids, "echo": True, "logprobs": 0, "max_tokens": 3, "stream": True}
+    events = stream_events(server, "/v1/completions", body)
     first = events[0]["choices"][0]["logprobs"]
     assert first["token_logprobs"][0] is None
     assert len(first["token_logprobs"]) >= len(ids)
@@ -171,17 +172,7 @@ def test_chat_prompt_logprobs_whole_and_streamed(server, tiny_llama_path):
     lp, _ = hf_forward(tiny_llama_path, ids)
     body = {"messages": messages, "prompt_logprobs": 1, "max_tokens": 2}
     whole = post(server, "/v1/chat/completions", body).json()["prompt_logprobs"]
-    events = []
-    with httpx.stream(
-        "POST",
-        server + "/v1/chat/completions",
-        json={**body, "stream": True},
-        headers=HEADERS,
-        timeout=60,
-    ) as stream:
-        for line in stream.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                events.append(json.loads(line[6:]))
+    events = stream_events(server, "/v1/chat/completions", {**body, "stream": True})
     streamed = [e["choices"][0]["prompt_logprobs"] for e in events if "prompt_logprobs" in str(e)]
     assert streamed == [whole]
     assert whole[0] is None and len(whole) == len(ids)
