@@ -28,6 +28,8 @@ setup(
         "tqdm>=4.60",
         "psutil>=5.9",
         "numpy>=1.24",
+        # structured outputs (grammar-constrained sampling); tested: 0.2.8
+        "xgrammar>=0.2.8,<0.3",
     ],
     extras_require={
         # tested: fastapi 0.165, uvicorn 0.54, openai 3.54 (server tests use the client)

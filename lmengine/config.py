@@ -9,8 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
-# GenerationConfig fields that hold Python objects (tensors, callables): no command-line flag
-PYTHON_ONLY_FIELDS = frozenset({"output_hidden_states", "steering", "logits_processors"})
+# GenerationConfig fields that hold Python objects (tensors, callables, schemas): no flag
+PYTHON_ONLY_FIELDS = frozenset(
+    {"output_hidden_states", "steering", "logits_processors", "structured_outputs"}
+)
+# GenerationConfig.structured_outputs: exactly one of these keys (vLLM's StructuredOutputsParams)
+STRUCTURED_OUTPUT_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 DEVICES = ("auto", "cuda", "cpu")
 EVICTION_TYPES = ("recompute", "swap")
 QUANT_POLICIES = (None, "w8a8")
@@ -242,6 +246,9 @@ class GenerationConfig:
     # layer index (>= 1) -> a [hidden_size] tensor, or a SteeringVector (scale, start position)
     steering: dict | None = None
     logits_processors: list | None = None  # callables (token_ids, logits_row) -> logits_row
+    # constrained generation (docs/structured_outputs.md): exactly one of "json" (a JSON
+    # schema, dict or string), "json_object" (True), "regex", "choice" (strings), "grammar"
+    structured_outputs: dict | None = None
 
     def __post_init__(self) -> None:
         _check_int("max_new_tokens", self.max_new_tokens, 0)
@@ -277,7 +284,44 @@ class GenerationConfig:
             if self.logprobs > 20:
                 raise ValueError(f"logprobs must be <= 20, got {self.logprobs!r}")
         self._check_research()
+        self._check_structured_outputs()
         self._check_beam_search()
+
+    def _check_structured_outputs(self) -> None:
+        """The shape of `structured_outputs`; compiling it is the engine's (xgrammar)."""
+        spec = self.structured_outputs
+        if spec is None:
+            return
+        kinds = [k for k in STRUCTURED_OUTPUT_KINDS if isinstance(spec, dict) and k in spec]
+        if not isinstance(spec, dict) or len(kinds) != 1 or len(spec) != 1:
+            kinds_text = ", ".join(STRUCTURED_OUTPUT_KINDS)
+            raise ValueError(
+                f"structured_outputs must be a dict with exactly one of {kinds_text}, "
+                f"got {spec!r:.200}"
+            )
+        kind, value = kinds[0], spec[kinds[0]]
+        ok = {
+            "json": isinstance(value, (dict, str)),
+            "json_object": value is True,
+            "regex": isinstance(value, str) and bool(value),
+            "choice": isinstance(value, (list, tuple))
+            and bool(value)
+            and all(isinstance(c, str) and c for c in value),
+            "grammar": isinstance(value, str) and bool(value),
+        }[kind]
+        if not ok:
+            want = {
+                "json": "a JSON schema (dict or string)",
+                "json_object": "True",
+                "regex": "a non-empty regex",
+                "choice": "a non-empty list of non-empty strings",
+                "grammar": "a non-empty EBNF grammar",
+            }[kind]
+            raise ValueError(f"structured_outputs[{kind!r}] must be {want}, got {value!r:.200}")
+        if self.ignore_eos:
+            raise ValueError(
+                "structured_outputs with ignore_eos=True: the output ends where the grammar does"
+            )
 
     def _check_research(self) -> None:
         """The shapes of the research fields; the model-dependent checks (layer range, vector
@@ -345,6 +389,7 @@ class GenerationConfig:
             "output_hidden_states": self.output_hidden_states is not None,
             "steering": self.steering is not None,
             "logits_processors": self.logits_processors is not None,
+            "structured_outputs": self.structured_outputs is not None,
         }
         for name, is_set in unsupported.items():
             if is_set:

@@ -88,6 +88,8 @@ class Engine:
         self.model_path = model_path
         self._stop = threading.Event()
         self._failed_steps = 0  # consecutive steps that raised
+        self._grammar_compiler = None  # structured outputs: built on first use
+        self._grammar_lock = threading.Lock()
         self._ready = threading.Event()
         self._init_error: BaseException | None = None
         self._thread = threading.Thread(
@@ -167,12 +169,25 @@ class Engine:
             qos=self._qos,
             num_layers=self.info.num_layers,
             hidden_size=self.info.hidden_size,
+            compile_grammar=self._compile_grammar if self.tokenizer is not None else None,
         )
         self.request_manager = RequestManager(self.validator.validate)
         self.outputs = OutputProcessor(self.tokenizer, self.info.eos_token_ids)
         self._seq_ids = itertools.count()
         self._session_ids = itertools.count(1 << 48)  # auto ids, far from user-chosen ones
         self.beam_search = BeamSearch(self.scheduler, self.info.eos_token_ids, self._seq_ids)
+
+    def _compile_grammar(self, spec: dict):
+        """Any thread: a `structured_outputs` spec compiled for this model (xgrammar, built on
+        first use; it caches compiled grammars)."""
+        with self._grammar_lock:
+            if self._grammar_compiler is None:
+                from lmengine.engine.structured import GrammarCompiler
+
+                self._grammar_compiler = GrammarCompiler(
+                    self.tokenizer, self.info.vocab_size, self.info.eos_token_ids
+                )
+        return self._grammar_compiler.compile(spec)
 
     def _run(self, loader: Callable[[], tuple]) -> None:
         try:
@@ -359,6 +374,7 @@ class Engine:
             adapter_name=req.adapter_name,
             adapter_id=adapter_id,
             research=req.research,
+            grammar=req.grammar,
         )
         if req.research is not None:  # prefix caching: see ResearchSpec.max_cached_tokens
             seq.max_cached_tokens = req.research.max_cached_tokens

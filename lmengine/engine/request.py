@@ -58,6 +58,7 @@ class AddRequest:
     user_id: str | None = None
     index: int = 0
     research: Any = None  # ResearchSpec, set by the validator when the request asks for one
+    grammar: Any = None  # compiled structured_outputs, set by the validator
 
 
 @dataclass

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from lmengine.engine.step import SequenceOutput
+from lmengine.engine.structured import GrammarMasks
 from lmengine.kernels import cpu_ext
 
 
@@ -151,9 +152,11 @@ class Sampler:
         self.eos_token_ids = list(eos_token_ids)
         self.device = device
         self._generators: dict[int, torch.Generator] = {}
+        self.grammars = GrammarMasks()  # structured outputs: one matcher per sequence
 
     def release(self, seq_id: int) -> None:
         self._generators.pop(seq_id, None)
+        self.grammars.release(seq_id)
 
     def _generator(self, seq) -> torch.Generator:
         gen = self._generators.get(seq.seq_id)
@@ -170,13 +173,20 @@ class Sampler:
         if any(c.logits_processors for c in cfgs):  # after the penalties, as transformers
             processed = processed.clone() if processed is logits else processed
             errors = apply_logits_processors(processed, seqs)
+        constrained = []
+        if any(getattr(s, "grammar", None) is not None for s in seqs):  # structured outputs
+            processed = processed.clone() if processed is logits else processed
+            constrained = self.grammars.apply(processed, seqs)
         tokens = greedy(processed)  # [num_samples]
         sample_rows = [i for i, c in enumerate(cfgs) if c.do_sample]
         if sample_rows:
             probs = self._sampling_probs(processed[sample_rows], [cfgs[i] for i in sample_rows])
             noise = self.exponential_noise(probs, [seqs[i] for i in sample_rows])
             tokens[sample_rows] = (probs / noise).argmax(-1)
-        results = self.results(logits, tokens.tolist(), cfgs)
+        chosen = tokens.tolist()
+        results = self.results(logits, chosen, cfgs)
+        if constrained:
+            errors.update(self.grammars.accept(seqs, constrained, chosen))
         for row, message in errors.items():
             results[row].error = message
         return results

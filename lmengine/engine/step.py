@@ -53,6 +53,7 @@ class SeqInput(TokenCounts):
     gen_config: Any = None  # the request's GenerationConfig
     token_ids: list[int] = field(default_factory=list)  # prompt then generated tokens so far
     num_prompt_tokens: int = 0
+    grammar: Any = None  # structured outputs: the request's xgrammar CompiledGrammar
 
     @property
     def num_new_tokens(self) -> int:
@@ -98,6 +99,7 @@ class StepInput:
                 gen_config=seq.gen_config,
                 token_ids=seq.token_ids,
                 num_prompt_tokens=seq.num_prompt_tokens,
+                grammar=seq.grammar,
             )
             spec = seq.research  # ResearchSpec or None
             if spec is not None:
@@ -136,7 +138,7 @@ class StepInput:
         """The part every tensor-parallel rank needs: the sampling fields (request options,
         token histories) stay on rank 0."""
         seqs = [
-            dataclasses.replace(s, gen_config=None, token_ids=[], num_prompt_tokens=0)
+            dataclasses.replace(s, gen_config=None, token_ids=[], num_prompt_tokens=0, grammar=None)
             for s in self.seqs
         ]
         return dataclasses.replace(self, seqs=seqs, finished_seq_ids=[])

@@ -35,6 +35,8 @@ class RequestValidator:
     qos: QoS | None = None
     num_layers: int = 0  # decoder layers (research hooks address them)
     hidden_size: int = 0
+    # structured outputs: compiles a spec (engine/structured.py); None without a tokenizer
+    compile_grammar: Callable[[dict], object] | None = None
 
     def validate(self, req: AddRequest) -> None:
         """Any thread: refuse a malformed request."""
@@ -77,6 +79,14 @@ class RequestValidator:
                 "are verified against the unprocessed distribution)"
             )
         req.research = ResearchSpec.from_config(cfg, self.num_layers, self.hidden_size)
+        if cfg.structured_outputs is not None:
+            if self.is_speculative:
+                raise RequestError(
+                    "structured_outputs are not supported with speculative decoding yet"
+                )
+            if self.compile_grammar is None:
+                raise RequestError("structured_outputs need the model's tokenizer")
+            req.grammar = self.compile_grammar(cfg.structured_outputs)
         if self.qos is not None:
             try:
                 self.qos.tenant(req.user_id)

@@ -79,6 +79,7 @@ class Sequence(TokenCounts):
     max_cached_tokens: int | None = None
     shares_cache: bool = True
     research: Any = None  # the request's ResearchSpec (engine/research.py), opaque here
+    grammar: Any = None  # structured outputs: the compiled grammar (engine/structured.py)
 
     def __post_init__(self) -> None:
         if self.num_prompt_tokens < 0:

@@ -1,0 +1,133 @@
+"""Structured outputs: generation constrained to a JSON schema, any JSON object, a regex, a
+choice of strings or an EBNF grammar, with xgrammar.
+
+`GrammarCompiler` turns a request's `structured_outputs` into an xgrammar CompiledGrammar for
+the engine's tokenizer and vocabulary (JSON without free whitespace between its tokens), in
+the submitting thread (xgrammar caches compiled grammars per schema, so equal schemas compile
+once); a grammar that does not compile fails that request with xgrammar's message. On the
+model side, `GrammarMasks` keeps one matcher per constrained sequence: before sampling it
+fills the token bitmask of every constrained row and applies it to the batch's logits in one
+operation; after sampling it advances the matchers by the chosen tokens. A finished
+sequence's matcher goes with `finished_seq_ids`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence as Seq
+from typing import Any
+
+import torch
+
+from lmengine.engine.request import RequestError
+
+# xgrammar's messages start with "[hh:mm:ss] /path/file.cc:123: "; the user needs the rest
+_LOCATION = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
+
+
+def library_message(e: Exception) -> str:
+    return _LOCATION.sub("", str(e).strip()) or type(e).__name__
+
+
+def without_raw_control_chars(schema: Any) -> Any:
+    """The schema with a `pattern` on every length-bounded string that has none.
+
+    NOTE: xgrammar 0.2.8 writes a string with minLength/maxLength as a repetition of
+    `[^"\\\r\n]`, which lets raw control characters (U+0000-U+001F) in, and JSON forbids
+    them: a weak model then writes invalid JSON. The same bounds as a pattern (instead of
+    minLength/maxLength) compile to a regex that keeps them out (escapes stay out, as in
+    xgrammar's own rule)."""
+    if isinstance(schema, list):
+        return [without_raw_control_chars(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: without_raw_control_chars(v) for k, v in schema.items()}
+    bounded = "minLength" in out or "maxLength" in out
+    free = not any(k in out for k in ("pattern", "format", "enum", "const"))
+    if out.get("type") == "string" and bounded and free:
+        low, high = int(out.pop("minLength", 0)), out.pop("maxLength", None)
+        count = f"{{{low},{'' if high is None else int(high)}}}"
+        out["pattern"] = "^" + '[^\\x00-\\x1f"\\\\]' + count + "$"
+    return out
+
+
+def choice_grammar(choices: Seq[str]) -> str:
+    """An EBNF grammar whose sentences are exactly `choices` (JSON-escaped literals)."""
+    return "root ::= " + " | ".join(json.dumps(c) for c in choices)
+
+
+class GrammarCompiler:
+    """Compiles `structured_outputs` specs for one tokenizer and vocabulary (xgrammar's
+    compiler and its cache). Any thread."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: Seq[int]) -> None:
+        import xgrammar as xgr
+
+        info = xgr.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids)
+        )
+        self._compiler = xgr.GrammarCompiler(info, max_threads=2)
+
+    def compile(self, spec: dict) -> Any:
+        """The CompiledGrammar of a `structured_outputs` spec (its shape already checked by
+        GenerationConfig); RequestError with xgrammar's message when it does not compile."""
+        ((kind, value),) = spec.items()
+        try:
+            if kind in ("json", "json_object"):  # json_object: any JSON object (OpenAI's)
+                schema = value if kind == "json" else {"type": "object"}
+                schema = json.loads(schema) if isinstance(schema, str) else schema
+                schema = json.dumps(without_raw_control_chars(schema))
+                # NOTE: compact JSON (no free whitespace between tokens): a weak model given
+                # the freedom fills its budget with spaces and newlines
+                return self._compiler.compile_json_schema(schema, any_whitespace=False)
+            if kind == "regex":
+                return self._compiler.compile_regex(value)
+            if kind == "choice":
+                return self._compiler.compile_grammar(choice_grammar(value))
+            return self._compiler.compile_grammar(value)
+        except Exception as e:  # xgrammar raises RuntimeError (and ValueError) on bad input
+            raise RequestError(
+                f"structured_outputs[{kind!r}] does not compile: {library_message(e)}"
+            ) from None
+
+
+class GrammarMasks:
+    """One xgrammar matcher per constrained sequence (by seq_id), on the sampling side."""
+
+    def __init__(self) -> None:
+        self._matchers: dict[int, Any] = {}
+
+    def release(self, seq_id: int) -> None:
+        self._matchers.pop(seq_id, None)
+
+    def _matcher(self, seq) -> Any:
+        matcher = self._matchers.get(seq.seq_id)
+        if matcher is None:
+            import xgrammar as xgr
+
+            matcher = self._matchers[seq.seq_id] = xgr.GrammarMatcher(seq.grammar)
+        return matcher
+
+    def apply(self, logits: torch.Tensor, seqs: Seq) -> list[int]:
+        """Mask, in place, the tokens each constrained row's grammar forbids next (logits
+        [rows, vocab], row i for seqs[i]); returns the constrained rows."""
+        import xgrammar as xgr
+
+        rows = [i for i, s in enumerate(seqs) if getattr(s, "grammar", None) is not None]
+        if not rows:
+            return rows
+        bitmask = xgr.allocate_token_bitmask(len(seqs), logits.shape[1])  # [rows, words] int32
+        for i in rows:
+            self._matcher(seqs[i]).fill_next_token_bitmask(bitmask, i)
+        xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=rows)
+        return rows
+
+    def accept(self, seqs: Seq, rows: list[int], tokens: list[int]) -> dict[int, str]:
+        """Advance the matchers of `rows` by their chosen tokens; row -> error for a token the
+        grammar refuses (none when the mask was applied: only a row masked entirely)."""
+        errors = {}
+        for i in rows:
+            if not self._matcher(seqs[i]).accept_token(tokens[i]):
+                errors[i] = "structured output: the grammar allows no token here"
+        return errors
