@@ -29,6 +29,33 @@ def stop_words(stop: str | list[str] | None) -> list[str] | None:
     return words or None
 
 
+def structured_outputs(body) -> dict | None:
+    """The engine's `structured_outputs` spec of a request body: from `response_format`,
+    a `guided_*` field or vLLM's `structured_outputs`; 400 when it names more than one."""
+    specs = []
+    fmt = body.response_format
+    if fmt is not None and fmt.type == "json_object":
+        specs.append(("response_format", {"json_object": True}))
+    elif fmt is not None and fmt.type == "json_schema":
+        schema = fmt.json_schema.schema_ if fmt.json_schema is not None else None
+        if schema is None:
+            raise APIError(400, "response_format json_schema needs json_schema.schema",
+                           param="response_format")  # fmt: skip
+        specs.append(("response_format", {"json": schema}))
+    for field, kind in (("guided_json", "json"), ("guided_regex", "regex"),
+                        ("guided_choice", "choice"), ("guided_grammar", "grammar")):  # fmt: skip
+        value = getattr(body, field)
+        if value is not None:
+            specs.append((field, {kind: value}))
+    if body.structured_outputs is not None:
+        given = body.structured_outputs.model_dump(by_alias=True, exclude_none=True)
+        specs.append(("structured_outputs", given))
+    if len(specs) > 1:
+        names = ", ".join(name for name, _ in specs)
+        raise APIError(400, f"give one output constraint, got {names}", param=specs[1][0])
+    return specs[0][1] if specs else None
+
+
 def gen_configs(
     body,
     num_prompts: int,
@@ -54,6 +81,7 @@ def gen_configs(
             length_penalty=body.length_penalty,
             early_stopping=body.early_stopping,
         )
+    constraint = structured_outputs(body)
     configs = []
     for _ in range(num_prompts):
         for j in range(body.n):
@@ -78,6 +106,7 @@ def gen_configs(
                     logprobs=logprobs,
                     skip_special_tokens=body.skip_special_tokens,
                     prompt_logprobs=prompt_logprobs,
+                    structured_outputs=constraint,
                     **beam,
                 )
             except ValueError as e:

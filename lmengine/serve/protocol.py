@@ -22,6 +22,32 @@ class StreamOptions(BaseModel):
     include_usage: bool = False  # a last chunk with `usage` and no choices
 
 
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs` object: exactly one constraint."""
+
+    model_config = ConfigDict(extra="forbid")
+    json_: dict | str | None = Field(None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+
+class JSONSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str | None = None
+    schema_: dict | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`: text, any JSON object, or a JSON schema."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
 class _SamplingFields(BaseModel):
     """What completions and chat completions share."""
 
@@ -50,6 +76,14 @@ class _SamplingFields(BaseModel):
     user_id: str | None = Field(None, max_length=256)  # the QoS user; default: `user`
     # vLLM's prompt scoring: per prompt token its logprob and the top N (`prompt_logprobs`)
     prompt_logprobs: int | None = Field(None, ge=0, le=20)
+    # constrained output (docs/structured_outputs.md): OpenAI's response_format, vLLM's
+    # guided_* fields and its structured_outputs object; at most one of them
+    response_format: ResponseFormat | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: StructuredOutputs | None = None
     # beam search (n must be 1; the choice is the best beam; temperature is not used)
     num_beams: int = Field(1, ge=1, le=MAX_CHOICES)
     length_penalty: float = Field(1.0, ge=-100.0, le=100.0)
