@@ -12,11 +12,20 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from lmengine.serve.client import EngineClient
-from lmengine.serve.convert import gen_configs, text_of
+from lmengine.serve.convert import gen_configs
+from lmengine.serve.errors import APIError
 from lmengine.serve.jobs import Job
 from lmengine.serve.logprobs import chat_logprobs, vllm_prompt_logprobs
 from lmengine.serve.protocol import ChatCompletionRequest
 from lmengine.serve.streaming import ChunkShape, finish_reason, run_job, stream_choices, wants_usage
+from lmengine.serve.tools import (
+    ToolOutput,
+    chat_messages,
+    template_takes_tools,
+    tool_choice_mode,
+    tool_constraint,
+    tools_system_prompt,
+)
 
 
 async def create_chat_completion(
@@ -24,12 +33,27 @@ async def create_chat_completion(
 ) -> dict | StreamingResponse:
     """Apply the template, submit one engine request per choice, and answer."""
     adapter = client.adapter_for(body.model)
-    messages = [{"role": m.role, "content": text_of(m)} for m in body.messages]
-    ids = client.encode_chat(messages, body.add_generation_prompt)
+    mode, name = tool_choice_mode(body)
+    native = template_takes_tools(client.tokenizer, client.settings.chat_template)
+    messages = chat_messages(body.messages, native)
+    tools = [t.model_dump(exclude_none=True) for t in body.tools or []] if mode != "none" else []
+    if tools and not native:  # the template has no tools: they go into the system message
+        prompt = tools_system_prompt(tools)
+        if messages and messages[0]["role"] == "system":
+            messages[0] = {**messages[0], "content": prompt + "\n\n" + messages[0]["content"]}
+        else:
+            messages.insert(0, {"role": "system", "content": prompt})
+    ids = client.encode_chat(messages, body.add_generation_prompt, tools if native else None)
     max_tokens = body.max_completion_tokens or body.max_tokens
     num_top = body.top_logprobs or 0
     logprobs = num_top if body.logprobs else None
     configs = gen_configs(body, 1, max_tokens, logprobs, client.session_len, body.prompt_logprobs)
+    constraint = tool_constraint(body, mode, name)
+    if constraint is not None:  # required / a named function: the calls always parse
+        if configs[0].structured_outputs is not None:
+            raise APIError(400, "tool_choice with another output constraint", param="tool_choice")
+        for cfg in configs:
+            cfg.structured_outputs = constraint
     if max_tokens is None:  # NOTE: no limit asked: up to the end of the context
         for cfg in configs:
             cfg.max_new_tokens = max(1, client.session_len - len(ids))
@@ -41,24 +65,31 @@ async def create_chat_completion(
         job,
         request,
         body.stream,
-        lambda: _whole(client, job, body, num_top),
-        lambda: _stream(client, job, body, num_top),
+        lambda: _whole(client, job, body, num_top, (mode, name)),
+        lambda: _stream(client, job, body, num_top, (mode, name)),
     )
 
 
-def _whole(client: EngineClient, job: Job, body: ChatCompletionRequest, num_top: int) -> dict:
+def _whole(
+    client: EngineClient, job: Job, body: ChatCompletionRequest, num_top: int, tool_mode
+) -> dict:
     choices = []
     for i, c in enumerate(job.choices):
         resp = c.final
         logprobs = None
         if body.logprobs:
             logprobs = {"content": chat_logprobs(resp, 0, num_top, client.token_text)}
+        output = ToolOutput(*tool_mode, client.settings.tool_call_parser)
+        content, calls = output.final(resp.text or "")
+        message = {"role": "assistant", "content": content if calls else resp.text or ""}
+        if calls:
+            message["tool_calls"] = [call.openai() for call in calls]
         choices.append(
             {
                 "index": i,
-                "message": {"role": "assistant", "content": resp.text or ""},
+                "message": message,
                 "logprobs": logprobs,
-                "finish_reason": finish_reason(resp),
+                "finish_reason": "tool_calls" if calls else finish_reason(resp),
             }
         )
     answer = {
@@ -78,7 +109,7 @@ def _whole(client: EngineClient, job: Job, body: ChatCompletionRequest, num_top:
 
 
 def _stream(
-    client: EngineClient, job: Job, body: ChatCompletionRequest, num_top: int
+    client: EngineClient, job: Job, body: ChatCompletionRequest, num_top: int, tool_mode
 ) -> AsyncIterator[str]:
     shape = ChunkShape(
         f"chatcmpl-{uuid.uuid4().hex}", "chat.completion.chunk", client.model_name(body)
@@ -91,8 +122,14 @@ def _stream(
     ]
 
     pending_prompt = [body.prompt_logprobs is not None] * len(job.choices)
+    parser = client.settings.tool_call_parser
+    outputs = [ToolOutput(*tool_mode, parser) for _ in job.choices]
 
     def make_chunk(i: int, resp, delta: str, start: int) -> dict | None:
+        delta, calls = outputs[i].delta(resp.text or "", resp.finish_reason is not None)
+        reason = finish_reason(resp)
+        if resp.finish_reason is not None and (calls or tool_mode[0] == "named"):
+            reason = "tool_calls"
         logprobs = None
         if body.logprobs:
             logprobs = {"content": chat_logprobs(resp, start, num_top, client.token_text)}
@@ -102,15 +139,14 @@ def _stream(
             extra["prompt_logprobs"] = vllm_prompt_logprobs(
                 job.choices[i].input_ids, resp, body.prompt_logprobs, client.token_text
             )
-        if not (delta or resp.finish_reason or (logprobs and logprobs["content"]) or extra):
+        if not (
+            delta or calls or resp.finish_reason or (logprobs and logprobs["content"]) or extra
+        ):
             return None
-        return shape.chunk(
-            i,
-            delta={"content": delta} if delta else {},
-            logprobs=logprobs,
-            finish_reason=finish_reason(resp),
-            **extra,
-        )
+        message = {"content": delta} if delta else {}
+        if calls:
+            message["tool_calls"] = calls
+        return shape.chunk(i, delta=message, logprobs=logprobs, finish_reason=reason, **extra)
 
     usage = (lambda: client.usage(job, body.n)) if wants_usage(body) else None
     return stream_choices(job, shape, opening, make_chunk, usage)

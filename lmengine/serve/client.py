@@ -54,7 +54,9 @@ class EngineClient:
     def encode_text(self, text: str) -> list[int]:
         return list(self.tokenizer(text)["input_ids"])
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(
+        self, messages: list[dict], add_generation_prompt: bool = True, tools: list | None = None
+    ) -> list[int]:
         template = self.settings.chat_template
         if template is None and getattr(self.tokenizer, "chat_template", None) is None:
             raise APIError(400, "this model has no chat template: use /v1/completions")
@@ -63,6 +65,7 @@ class EngineClient:
                 messages,
                 chat_template=template,
                 add_generation_prompt=add_generation_prompt,
+                tools=tools,
                 tokenize=True,
                 return_dict=False,
             )

@@ -15,6 +15,7 @@ import signal
 import sys
 
 from lmengine.flags import add_model_flags, build_dataclass, model_load_errors
+from lmengine.serve.tools import TOOL_PARSERS
 
 
 def add_serve_flags(parser: argparse.ArgumentParser) -> None:
@@ -52,6 +53,13 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--chat-template", default=None, metavar="FILE", help="a Jinja chat template file"
+    )
+    g.add_argument(
+        "--tool-call-parser",
+        default="hermes",
+        choices=sorted(TOOL_PARSERS),
+        help="how tool calls are written by the model family: hermes (Qwen 2.5/3, Hermes, "
+        "SmolLM2) or llama3_json (Llama 3.x) (default: hermes)",
     )
     g.add_argument(
         "--grace-period",
@@ -96,6 +104,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_queued_requests=args.max_queued_requests,
         request_timeout=args.request_timeout,
         chat_template=template,
+        tool_call_parser=args.tool_call_parser,
         qos_enabled=engine_config.qos_config_path is not None,
     )
     with model_load_errors(model, engine_config):

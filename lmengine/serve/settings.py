@@ -17,4 +17,5 @@ class ServerSettings:
     max_queued_requests: int = 0  # choices waiting for their first token; 0: no limit
     request_timeout: float = 0.0  # seconds; 0: none
     chat_template: str | None = None  # Jinja source replacing the tokenizer's template
+    tool_call_parser: str = "hermes"  # how tool calls are found in text (serve/tools.py)
     qos_enabled: bool = False
