@@ -149,10 +149,37 @@ def test_config_checks_the_shape_of_structured_outputs():
         GenerationConfig(num_beams=2, structured_outputs={"regex": "a"})
 
 
-def test_refused_with_speculative_decoding(tiny_llama_path):
-    cfg = EngineConfig(num_gpu_blocks=64, speculative="ngram")
-    with Engine.from_pretrained(tiny_llama_path, cfg) as engine:
-        r = engine.create_instance().infer(
-            0, [5, 6, 7], gen_config=GenerationConfig(structured_outputs={"regex": "a+"})
-        )
-    assert r.finish_reason == "error" and "speculative decoding" in r.error
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculative_decoding_keeps_outputs_valid_and_greedy_equal(tiny_llama_path, method):
+    """Drafts that break the grammar are rejected, never emitted: greedy constrained outputs
+    equal those without speculation, sampled ones are valid, and drafts were accepted."""
+    spec = {"method": method, "num_speculative_tokens": 3}
+    if method == "draft_model":
+        spec["draft_model"] = tiny_llama_path  # unconstrained: it drafts invalid tokens too
+    prompts, configs, checks = [], [], []
+    for k, (name, (constraint, check)) in enumerate(SPECS.items()):
+        for seed in range(4):
+            prompt = random_prompts([6], 49152, seed=50 * k + seed)[0]
+            prompts.append(prompt * 3)  # repeats that prompt lookup finds
+            configs.append(
+                GenerationConfig(
+                    max_new_tokens=160,
+                    do_sample=seed > 0,
+                    random_seed=seed,
+                    structured_outputs=constraint,
+                )
+            )
+            checks.append((name, check))
+    cfg = dict(block_size=4, num_gpu_blocks=1024)
+    with Engine.from_pretrained(tiny_llama_path, EngineConfig(**cfg)) as engine:
+        plain = run_threads(engine, prompts, configs, stagger_s=0.0)
+    with Engine.from_pretrained(tiny_llama_path, EngineConfig(**cfg, speculative=spec)) as engine:
+        fast = run_threads(engine, prompts, configs, stagger_s=0.0)
+        stats = engine.stats()["speculative"]
+        engine.check_integrity()
+    assert 0 < stats["num_accepted_tokens"] < stats["num_draft_tokens"], stats  # some refused
+    for (name, check), c, a, b in zip(checks, configs, plain, fast):
+        assert b.finish_reason == "stop", (name, b.text, b.error)
+        check(b.text)
+        if not c.do_sample:
+            assert b.token_ids == a.token_ids, name

@@ -295,6 +295,10 @@ class Verifier:
             row += len(toks) + 1
         if not seqs:
             return {}
+        raw = logits  # logprobs are reported from the raw distribution
+        if any(getattr(s, "grammar", None) is not None for s in seqs):  # structured outputs
+            logits = logits.clone()
+            self.sampler.grammars.apply_with_drafts(logits, seqs, first_row, draft_lists)
         batch, vocab = len(seqs), logits.shape[1]
         k = max(len(t) for t in draft_lists)
         num_drafts = torch.tensor([len(t) for t in draft_lists])
@@ -347,8 +351,9 @@ class Verifier:
         for b, seq in enumerate(seqs):
             m = acc_list[b]
             out_tokens = [*draft_lists[b][:m], next_list[b]]
-            rows = logits[first_row[b] : first_row[b] + m + 1]
+            rows = raw[first_row[b] : first_row[b] + m + 1]
             sampled = self.sampler.results(rows, out_tokens, [seq.gen_config] * (m + 1))
+            sampled[-1].error = self.sampler.grammars.accept_tokens(seq, out_tokens)
             results[seq.seq_id] = sequence_output(sampled, len(draft_lists[b]), m)
             if draft_lists[b]:
                 self.num_draft_tokens += len(draft_lists[b])

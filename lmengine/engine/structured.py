@@ -123,6 +123,45 @@ class GrammarMasks:
         xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=rows)
         return rows
 
+    def apply_with_drafts(
+        self, logits: torch.Tensor, seqs: Seq, first_rows: Seq[int], drafts: Seq[list[int]]
+    ) -> None:
+        """Speculative decoding: mask, in place, the rows of every constrained sequence's
+        chunk end and drafts (logits [rows, vocab]; sequence b's rows from first_rows[b]):
+        row j with the grammar's state after drafts[b][:j]. Drafts the grammar refuses leave
+        their row unmasked past the refusal (the verifier never reaches it: the refused
+        draft has probability 0 in the row before). The matchers are rolled back after."""
+        import xgrammar as xgr
+
+        rows: list[int] = []
+        bitmask = xgr.allocate_token_bitmask(logits.shape[0], logits.shape[1])
+        for seq, first, toks in zip(seqs, first_rows, drafts):
+            if getattr(seq, "grammar", None) is None:
+                continue
+            matcher = self._matcher(seq)
+            taken = 0
+            for j in range(len(toks) + 1):
+                matcher.fill_next_token_bitmask(bitmask, first + j)
+                rows.append(first + j)
+                if j == len(toks) or not matcher.accept_token(toks[j]):
+                    break
+                taken += 1
+            if taken:
+                matcher.rollback(taken)
+        if rows:
+            xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=rows)
+
+    def accept_tokens(self, seq, tokens: list[int]) -> str | None:
+        """Advance a constrained sequence's matcher by a step's tokens; an error message if
+        the grammar refuses one."""
+        if getattr(seq, "grammar", None) is None:
+            return None
+        matcher = self._matcher(seq)
+        for token in tokens:
+            if not matcher.accept_token(token):
+                return "structured output: the grammar refused a verified token"
+        return None
+
     def accept(self, seqs: Seq, rows: list[int], tokens: list[int]) -> dict[int, str]:
         """Advance the matchers of `rows` by their chosen tokens; row -> error for a token the
         grammar refuses (none when the mask was applied: only a row masked entirely)."""

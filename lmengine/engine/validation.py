@@ -80,10 +80,6 @@ class RequestValidator:
             )
         req.research = ResearchSpec.from_config(cfg, self.num_layers, self.hidden_size)
         if cfg.structured_outputs is not None:
-            if self.is_speculative:
-                raise RequestError(
-                    "structured_outputs are not supported with speculative decoding yet"
-                )
             if self.compile_grammar is None:
                 raise RequestError("structured_outputs need the model's tokenizer")
             req.grammar = self.compile_grammar(cfg.structured_outputs)
