@@ -17,8 +17,8 @@ TOL = 1e-4
 CASES = {
     "batched": dict(block_size=4, num_gpu_blocks=1024),
     "chunked": dict(block_size=4, num_gpu_blocks=1024, max_prefill_token_num=7),
-    "preempt": dict(block_size=4, num_gpu_blocks=40),
-    "swap": dict(block_size=4, num_gpu_blocks=40, eviction_type="swap", num_cpu_blocks=400),
+    "preempt": dict(block_size=4, num_gpu_blocks=24),
+    "swap": dict(block_size=4, num_gpu_blocks=24, eviction_type="swap", num_cpu_blocks=400),
     "prefix": dict(block_size=4, num_gpu_blocks=1024, enable_prefix_caching=True),
     "speculative": dict(block_size=4, num_gpu_blocks=1024, speculative="ngram"),
 }
