@@ -73,6 +73,25 @@ def check_idle(force: bool) -> None:
         log(f"WARNING: {message}")
 
 
+def report_header() -> dict:
+    """What every report of a run starts with: the CPU, the date, how busy the machine was."""
+    return {
+        "cpu": cpu_model(),
+        "date": time.strftime("%Y-%m-%d"),
+        "loadavg_at_start": list(os.getloadavg()),
+        "busy_fraction_at_start": round(busy_fraction(), 3),
+        "torch_threads": torch.get_num_threads(),
+    }
+
+
+def write_report(report: dict, out: str | None) -> None:
+    """The report as JSON on stdout, and into `out` when given."""
+    text = json.dumps(report, indent=2)
+    print(text)
+    if out:
+        Path(out).write_text(text + "\n")
+
+
 def make_pairs(
     tokenizer, num_pairs: int, pair_tokens: int, num_choices: int, seed: int
 ) -> list[tuple[str, str]]:
@@ -218,13 +237,7 @@ def main() -> None:
         args.num_pairs, args.num_prompts, args.new_tokens, args.repeat = 40, 8, 16, 1
     check_idle(args.force or args.quick)
     path = resolve_model_path(args.model)
-    report = {
-        "cpu": cpu_model(),
-        "date": time.strftime("%Y-%m-%d"),
-        "loadavg_at_start": list(os.getloadavg()),
-        "busy_fraction_at_start": round(busy_fraction(), 3),
-        "torch_threads": torch.get_num_threads(),
-    }
+    report = report_header()
     if args.part in ("scoring", "both"):
         report["scoring"] = scoring_shapes(path, args)
     if args.part in ("overhead", "both"):
@@ -233,10 +246,7 @@ def main() -> None:
             report["overhead"] = overhead(engine, args)
         finally:
             engine.close()
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    write_report(report, args.out)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -26,10 +25,9 @@ from pathlib import Path
 
 from lmengine import Engine, EngineConfig, GenerationConfig, Pipeline
 from lmengine.bench.prompts import read_lines
-from lmengine.bench.report import cpu_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from research import busy_fraction, check_idle  # noqa: E402
+from research import check_idle, report_header, write_report  # noqa: E402
 
 PROMPTS = Path(__file__).resolve().parents[1] / "lmengine" / "data" / "prompts.txt"
 SCHEMA = {
@@ -76,9 +74,7 @@ def main() -> None:
     if args.quick:
         args.num_prompts, args.max_new_tokens, args.repeat = 8, 60, 1
     check_idle(args.force or args.quick)
-    report = {"cpu": cpu_model(), "date": time.strftime("%Y-%m-%d"),
-              "loadavg_at_start": list(os.getloadavg()),
-              "busy_fraction_at_start": round(busy_fraction(), 3)}  # fmt: skip
+    report = report_header()
     engine = Engine.from_pretrained(args.model, EngineConfig(dtype="float32", device="cpu"))
     try:
         pipe = Pipeline(engine)
@@ -121,10 +117,7 @@ def main() -> None:
         )
     finally:
         engine.close()
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    write_report(report, args.out)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_server import start_server, stop_server
+from tests.test_server import tiny_server
 
 TASKS = Path(__file__).resolve().parent / "lm_eval_tasks"
 TOL = 1e-4
@@ -45,15 +45,10 @@ def run_lm_eval(out: Path, model: str, model_args: str) -> dict:
 
 @pytest.fixture(scope="module")
 def served(tiny_llama_path):
-    proc, url = start_server(
-        tiny_llama_path,
-        "--served-model-name", "tiny",
-        "--num-threads", "1",
-        "--num-gpu-blocks", "256",
-        "--block-size", "4",
-    )  # fmt: skip
-    yield url
-    assert stop_server(proc) == 0
+    with tiny_server(
+        tiny_llama_path, "--served-model-name", "tiny", "--num-gpu-blocks", "256"
+    ) as url:
+        yield url
 
 
 def test_lm_eval_local_completions_equals_the_hf_backend(served, tiny_llama_path, tmp_path):

@@ -10,6 +10,7 @@ run over the OpenAPI document that must find no 5xx.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -18,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import openai
@@ -69,6 +71,34 @@ def start_server(model: str, *flags: str, timeout: float = 400.0) -> tuple[subpr
         time.sleep(0.3)
     proc.kill()
     raise RuntimeError(f"server did not start in {timeout} s:\n{server_output(proc)}")
+
+
+@contextlib.contextmanager
+def tiny_server(path: str, *flags: str) -> Iterator[str]:
+    """A served tiny model for a test module: one thread (fastest for a tiny model on a busy
+    machine), 4-token blocks, then `flags`; yields its URL and checks that it stops cleanly."""
+    proc, url = start_server(path, "--num-threads", "1", "--block-size", "4", *flags)
+    try:
+        yield url
+    finally:
+        code = stop_server(proc)
+    assert code == 0
+
+
+# a served tiny model known as "tiny", behind the API key (tiny_server's flags)
+TINY_OPENAI_FLAGS = (
+    "--api-keys",
+    API_KEY,
+    "--served-model-name",
+    "tiny",
+    "--num-gpu-blocks",
+    "512",
+)
+
+
+def openai_client(url: str) -> openai.OpenAI:
+    """The official client of a test server, without retries."""
+    return openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
 
 
 def server_output(proc: subprocess.Popen) -> str:
@@ -123,23 +153,20 @@ def wait_idle(url: str, timeout: float = 20.0) -> dict[str, float]:
 def server(tiny_llama_path, tmp_path_factory):
     qos = tmp_path_factory.mktemp("qos") / "qos.json"
     qos.write_text(json.dumps(QOS_CONFIG))
-    proc, url = start_server(
+    with tiny_server(
         tiny_llama_path,
         "--api-keys", API_KEY, "other-key",
         "--session-len", "640",  # long enough that a disconnected request is still running
         "--max-batch-size", "64",
-        "--num-threads", "1",  # tiny model: one thread is fastest on a busy machine
         "--num-gpu-blocks", "512",
-        "--block-size", "4",
         "--qos-config-path", str(qos),
-    )  # fmt: skip
-    yield url
-    assert stop_server(proc) == 0
+    ) as url:  # fmt: skip
+        yield url
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
+    return openai_client(server)
 
 
 @pytest.fixture(scope="module")

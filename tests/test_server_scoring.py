@@ -10,7 +10,7 @@ import pytest
 
 from tests.engine_utils import random_prompts
 from tests.hf_reference import hf_forward
-from tests.test_server import API_KEY, httpx, start_server, stop_server, wait_idle
+from tests.test_server import API_KEY, httpx, tiny_server, wait_idle
 
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
 TOL = 1e-4
@@ -18,17 +18,14 @@ TOL = 1e-4
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_path):
-    proc, url = start_server(
+    with tiny_server(
         tiny_llama_path,
         "--api-keys", API_KEY,
         "--session-len", "256",
-        "--num-threads", "1",
         "--num-gpu-blocks", "256",
-        "--block-size", "4",
         "--max-prefill-token-num", "24",  # long prompts are scored in chunks
-    )  # fmt: skip
-    yield url
-    assert stop_server(proc) == 0
+    ) as url:  # fmt: skip
+        yield url
 
 
 def post(url: str, path: str, body: dict) -> httpx.Response:

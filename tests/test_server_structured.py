@@ -13,7 +13,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from tests.test_server import API_KEY, start_server, stop_server, wait_idle
+from tests.test_server import TINY_OPENAI_FLAGS, openai_client, tiny_server, wait_idle
 
 
 class Pet(BaseModel):
@@ -25,21 +25,13 @@ class Pet(BaseModel):
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_path):
-    proc, url = start_server(
-        tiny_llama_path,
-        "--api-keys", API_KEY,
-        "--served-model-name", "tiny",
-        "--num-threads", "1",
-        "--num-gpu-blocks", "512",
-        "--block-size", "4",
-    )  # fmt: skip
-    yield url
-    assert stop_server(proc) == 0
+    with tiny_server(tiny_llama_path, *TINY_OPENAI_FLAGS) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(api_key=API_KEY, base_url=server + "/v1", max_retries=0)
+    return openai_client(server)
 
 
 def test_parse_with_a_pydantic_model(client):

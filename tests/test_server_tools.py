@@ -13,7 +13,7 @@ import pytest
 from pydantic import BaseModel, Field
 
 from lmengine.serve.tools import HermesParser, Llama3JsonParser
-from tests.test_server import API_KEY, start_server, stop_server, wait_idle
+from tests.test_server import TINY_OPENAI_FLAGS, openai_client, tiny_server, wait_idle
 
 
 class Weather(BaseModel):
@@ -51,16 +51,8 @@ BAD_FUNCTION = {"name": "f", "parameters": {"type": "nope"}}
 
 @pytest.fixture(scope="module")
 def client(tiny_llama_path):
-    proc, url = start_server(
-        tiny_llama_path,
-        "--api-keys", API_KEY,
-        "--served-model-name", "tiny",
-        "--num-threads", "1",
-        "--num-gpu-blocks", "512",
-        "--block-size", "4",
-    )  # fmt: skip
-    yield openai.OpenAI(api_key=API_KEY, base_url=url + "/v1", max_retries=0), url
-    assert stop_server(proc) == 0
+    with tiny_server(tiny_llama_path, *TINY_OPENAI_FLAGS) as url:
+        yield openai_client(url), url
 
 
 def check_calls(calls, max_calls: int | None = None, name: str | None = None) -> None:

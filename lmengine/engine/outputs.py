@@ -45,8 +45,6 @@ class RequestState:
         rows = output.hidden_states.get(seq_id)
         if rows is not None and self.hidden is not None:
             self.hidden.write(item.start_pos, rows)
-            end = item.start_pos + item.num_new_tokens
-            self.hidden.num_valid = max(self.hidden.num_valid, end)
 
     def visible_text(self, finished: bool) -> str | None:
         """Text safe to show: while running, hold back a tail that may start a stop word."""
@@ -124,7 +122,9 @@ class OutputProcessor:
             if res is None:
                 continue
             state = self.states[seq.session_id]
-            if state.hidden is not None:  # accepted drafts ran at positions now final too
+            if state.hidden is not None:  # the chunk's positions, and the accepted drafts'
+                # NOTE: only a step that samples answers, and its chunk ends at the last
+                # computed position, so earlier chunks need no mark of their own
                 end = item.start_pos + item.num_new_tokens + res.num_accepted_tokens
                 state.hidden.num_valid = max(state.hidden.num_valid, end)
             accepted: list[int] = []

@@ -168,15 +168,18 @@ class Sampler:
     def sample(self, logits: torch.Tensor, seqs: Seq) -> list[SampleResult]:
         """logits: [num_samples, vocab] float32, row i for seqs[i]."""
         cfgs = [s.gen_config for s in seqs]
-        processed = self._apply_penalties(logits.clone(), seqs) if penalised(seqs) else logits
+        has_penalties = penalised(seqs)
+        has_processors = any(c.logits_processors for c in cfgs)
+        is_constrained = any(getattr(s, "grammar", None) is not None for s in seqs)
+        # NOTE: raw `logits` stay untouched for the logprobs; the edits go to one copy
+        edited = has_penalties or has_processors or is_constrained
+        processed = logits.clone() if edited else logits
+        if has_penalties:
+            self._apply_penalties(processed, seqs)
         errors = {}
-        if any(c.logits_processors for c in cfgs):  # after the penalties, as transformers
-            processed = processed.clone() if processed is logits else processed
+        if has_processors:  # after the penalties, as transformers
             errors = apply_logits_processors(processed, seqs)
-        constrained = []
-        if any(getattr(s, "grammar", None) is not None for s in seqs):  # structured outputs
-            processed = processed.clone() if processed is logits else processed
-            constrained = self.grammars.apply(processed, seqs)
+        constrained = self.grammars.apply(processed, seqs) if is_constrained else []
         tokens = greedy(processed)  # [num_samples]
         sample_rows = [i for i, c in enumerate(cfgs) if c.do_sample]
         if sample_rows:

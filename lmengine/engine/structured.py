@@ -153,20 +153,16 @@ class GrammarMasks:
 
     def accept_tokens(self, seq, tokens: list[int]) -> str | None:
         """Advance a constrained sequence's matcher by a step's tokens; an error message if
-        the grammar refuses one."""
+        the grammar refuses one (never after its mask, except for a row it masked entirely)."""
         if getattr(seq, "grammar", None) is None:
             return None
         matcher = self._matcher(seq)
         for token in tokens:
             if not matcher.accept_token(token):
-                return "structured output: the grammar refused a verified token"
+                return f"structured output: the grammar refused token {token}"
         return None
 
     def accept(self, seqs: Seq, rows: list[int], tokens: list[int]) -> dict[int, str]:
-        """Advance the matchers of `rows` by their chosen tokens; row -> error for a token the
-        grammar refuses (none when the mask was applied: only a row masked entirely)."""
-        errors = {}
-        for i in rows:
-            if not self._matcher(seqs[i]).accept_token(tokens[i]):
-                errors[i] = "structured output: the grammar allows no token here"
-        return errors
+        """Advance the matchers of `rows` by their chosen tokens; row -> error message."""
+        errors = {i: self.accept_tokens(seqs[i], [tokens[i]]) for i in rows}
+        return {i: e for i, e in errors.items() if e is not None}

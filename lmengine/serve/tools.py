@@ -229,43 +229,38 @@ class ToolOutput:
             return self.parser.parse(text)
         return text, []
 
+    def _take(self, text: str, end: int) -> str:
+        """The text from what was already sent up to `end`, now counted as sent."""
+        new = text[self.sent : max(self.sent, end)]
+        self.sent += len(new)
+        return new
+
     def delta(self, text: str, finished: bool) -> tuple[str, list[dict] | None]:
         """(content to send now, tool_calls delta or None) for the choice's text so far."""
-        if self.mode == "named":
-            new, first = text[self.sent :], self.sent == 0
-            self.sent = len(text)
+        if self.mode == "none":
+            return self._take(text, len(text)), None
+        if self.mode == "named":  # the text is the arguments: the call opens, then grows
+            first = self.sent == 0
+            new = self._take(text, len(text))
             if not (new or first):
                 return "", None
-            call = {"index": 0, "function": {"arguments": new}}
-            if first:
-                call = ToolCall(self.name, new).openai(0)
-            return "", [call]
+            call = ToolCall(self.name, new).openai(0) if first else None
+            return "", [call or {"index": 0, "function": {"arguments": new}}]
         if self.mode == "required":
-            if not finished:
-                return "", None
-            calls = calls_from_constrained(text, self.mode, self.name)
-            return "", [c.openai(i) for i, c in enumerate(calls)]
-        if self.mode == "none":
-            new = text[self.sent :]
-            self.sent = len(text)
-            return new, None
+            calls = self.final(text)[1] if finished else None
+            return "", None if calls is None else [c.openai(i) for i, c in enumerate(calls)]
+        if finished:  # auto
+            _, calls = self.final(text)
+            if calls:
+                return "", [c.openai(i) for i, c in enumerate(calls)]
+            return self._take(text, len(text)), None
         marker = self.parser.start
-        at = text.find(marker)
-        if at < 0:  # hold back a tail that may be the start of the marker
+        end = text.find(marker)
+        if end < 0:  # hold back a tail that may be the start of the marker
             tail = next(
                 (k for k in range(min(len(marker) - 1, len(text)), 0, -1)
                  if text.endswith(marker[:k])),
                 0,
             )  # fmt: skip
-            at = len(text) - tail
-        safe = at
-        if finished:
-            content, calls = self.parser.parse(text)
-            if not calls:
-                new = text[self.sent :]
-                self.sent = len(text)
-                return new, None
-            return "", [c.openai(i) for i, c in enumerate(calls)]
-        new = text[self.sent : max(self.sent, safe)]
-        self.sent += len(new)
-        return new, None
+            end = len(text) - tail
+        return self._take(text, end), None
