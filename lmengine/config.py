@@ -14,7 +14,7 @@ PYTHON_ONLY_FIELDS = frozenset(
     {"output_hidden_states", "steering", "logits_processors", "structured_outputs"}
 )
 # GenerationConfig.structured_outputs: exactly one of these keys (vLLM's StructuredOutputsParams)
-STRUCTURED_OUTPUT_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+STRUCTURED_OUTPUT_KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 DEVICES = ("auto", "cuda", "cpu")
 EVICTION_TYPES = ("recompute", "swap")
 QUANT_POLICIES = (None, "w8a8")
@@ -248,6 +248,7 @@ class GenerationConfig:
     logits_processors: list | None = None  # callables (token_ids, logits_row) -> logits_row
     # constrained generation (docs/structured_outputs.md): exactly one of "json" (a JSON
     # schema, dict or string), "json_object" (True), "regex", "choice" (strings), "grammar"
+    # (EBNF), "structural_tag" (xgrammar's structural tag: free text with constrained tags)
     structured_outputs: dict | None = None
 
     def __post_init__(self) -> None:
@@ -308,6 +309,7 @@ class GenerationConfig:
             and bool(value)
             and all(isinstance(c, str) and c for c in value),
             "grammar": isinstance(value, str) and bool(value),
+            "structural_tag": isinstance(value, (dict, str)) and bool(value),
         }[kind]
         if not ok:
             want = {
@@ -316,6 +318,7 @@ class GenerationConfig:
                 "regex": "a non-empty regex",
                 "choice": "a non-empty list of non-empty strings",
                 "grammar": "a non-empty EBNF grammar",
+                "structural_tag": "an xgrammar structural tag (dict or JSON string)",
             }[kind]
             raise ValueError(f"structured_outputs[{kind!r}] must be {want}, got {value!r:.200}")
         if self.ignore_eos:

@@ -64,6 +64,14 @@ def test_json_object_guided_fields_and_structured_outputs_object(client):
     assert re.fullmatch(r"\d{2}:\d{2}", chat(extra_body={"guided_regex": r"\d{2}:\d{2}"}))
     grammar = 'root ::= "go " ("north" | "south")'
     assert chat(extra_body={"structured_outputs": {"grammar": grammar}}) in ("go north", "go south")
+    number = {"type": "regex", "pattern": "[0-9]{2}"}
+    tag = {  # the tag, then the end
+        "type": "structural_tag",
+        "format": {"type": "tag", "begin": "<n>", "content": number, "end": "</n>"},
+    }
+    assert re.fullmatch(
+        r"<n>\d{2}</n>", chat(extra_body={"structured_outputs": {"structural_tag": tag}})
+    )
     schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
     completion = client.completions.create(
         model="tiny", prompt="n =", max_tokens=60, extra_body={"guided_json": schema}

@@ -12,8 +12,14 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from lmengine.serve.tools import HermesParser, Llama3JsonParser
-from tests.test_server import TINY_OPENAI_FLAGS, openai_client, tiny_server, wait_idle
+from lmengine.serve.tools import (
+    TOOL_PARSERS,
+    HermesParser,
+    Llama3JsonParser,
+    ToolOutput,
+    written_calls,
+)
+from tests.test_server import API_KEY, TINY_OPENAI_FLAGS, openai_client, tiny_server, wait_idle
 
 
 class Weather(BaseModel):
@@ -106,11 +112,12 @@ def reassemble(stream) -> tuple[str, dict[int, dict], str | None]:
         choice = chunk.choices[0]
         content += choice.delta.content or ""
         for d in choice.delta.tool_calls or []:
-            call = calls.setdefault(d.index, {"id": None, "name": "", "arguments": ""})
+            call = calls.setdefault(d.index, {"id": None, "name": "", "arguments": "", "pieces": 0})
             call["id"] = d.id or call["id"]
             if d.function is not None:
                 call["name"] += d.function.name or ""
                 call["arguments"] += d.function.arguments or ""
+                call["pieces"] += bool(d.function.arguments)
         reason = choice.finish_reason or reason
     return content, calls, reason
 
@@ -137,6 +144,7 @@ def test_streamed_calls_reassemble_to_the_same_calls(client, tool_choice):
         (w.function.name, w.function.arguments) for w in want
     ]
     assert all(x["id"] for x in calls.values())
+    assert all(x["pieces"] > 3 for x in calls.values())  # the arguments as they are written
 
 
 def test_tool_results_in_the_history_and_auto_and_none(client):
@@ -219,8 +227,6 @@ def test_llama3_json_parser():
 
 
 def test_auto_streams_content_until_a_call_starts():
-    from lmengine.serve.tools import ToolOutput
-
     out = ToolOutput("auto", None, "hermes")
     steps = ["Let me", "Let me check. <tool", 'Let me check. <tool_call>{"name": "f", "argu']
     assert [out.delta(t, False) for t in steps] == [
@@ -234,3 +240,151 @@ def test_auto_streams_content_until_a_call_starts():
     plain = ToolOutput("auto", None, "hermes")
     assert plain.delta("a <t", False) == ("a ", None)
     assert plain.delta("a <t> c", True) == ("<t> c", None)  # no call after all: all of it
+
+
+def test_written_calls_follow_the_text_as_it_grows():
+    text = '[{"name": "f", "arguments": {"a": "x\\"}"}}, {"name": "g", "arguments": {"b": [1, 2'
+    (f, f_done), (g, g_done) = written_calls(text)
+    assert (f.name, f.arguments, f_done) == ("f", '{"a": "x\\"}"}', True)
+    assert (g.name, g.arguments, g_done) == ("g", '{"b": [1, 2', False)
+    assert written_calls('[{"name": "f", "argu') == []
+
+
+def test_streamed_calls_grow_piece_by_piece():
+    out = ToolOutput("required", None, "hermes")
+    text = '[{"name": "f", "arguments": {"city": "Paris"}}, {"name": "g", "arguments": {}}]'
+    deltas = [out.delta(text[:end], end == len(text)) for end in range(1, len(text) + 1)]
+    pieces = [d for _, calls in deltas for d in calls or []]
+    opened = [d for d in pieces if "id" in d]
+    assert [(d["index"], d["function"]["name"]) for d in opened] == [(0, "f"), (1, "g")]
+    args = {0: "", 1: ""}
+    for d in pieces:
+        args[d["index"]] += d["function"]["arguments"]
+    assert args == {0: '{"city": "Paris"}', 1: "{}"}
+    assert sum(d["index"] == 0 for d in pieces) > 5 and out.called  # arguments as written
+
+
+def test_auto_streams_content_then_the_call_then_content():
+    out = ToolOutput("auto", None, "hermes")
+    text = 'Checking. <tool_call>[{"name": "f", "arguments": {"a": 1}}]</tool_call>\nDone.'
+    chunks = [out.delta(text[:end], end == len(text)) for end in range(1, len(text) + 1)]
+    content = "".join(c for c, _ in chunks)
+    calls = [d for _, ds in chunks for d in ds or []]
+    assert content == "Checking. \nDone." and out.called
+    assert "".join(d["function"]["arguments"] for d in calls) == '{"a": 1}'
+    whole = ToolOutput("auto", None, "hermes").final(text)
+    assert whole[0] == "Checking. \nDone." and whole[1][0].arguments == '{"a": 1}'
+
+
+@pytest.mark.parametrize(
+    "parser, opening, parallel",
+    [("hermes", "<tool", True), ("hermes", "<tool", False), ("llama3_json", '{"name": ', False)],
+)
+def test_auto_calls_that_start_always_parse(tiny_llama_path, parser, opening, parallel):
+    """Under `auto` the model decides; once it starts `<tool`, the structural tag finishes a
+    valid call. The tiny random model is pushed into the opening by a logits processor and then
+    left to itself (noise) for 16 seeds: every answer holds valid calls."""
+    from lmengine.api import pipeline
+    from lmengine.config import EngineConfig, GenerationConfig
+    from lmengine.serve.protocol import Tool
+
+    tools = [Tool.model_validate(t).function for t in TOOLS]
+    spec = TOOL_PARSERS[parser]().auto_constraint(tools, parallel)
+    with pipeline(tiny_llama_path, EngineConfig(num_gpu_blocks=256)) as pipe:
+        opening = pipe.tokenizer(opening)["input_ids"]
+
+        def start_a_call(token_ids, logits):
+            done = len(token_ids) - len(prompt)
+            if done < len(opening):
+                logits[opening[done]] += 1e4
+            return logits
+
+        prompt = pipe.encode(MESSAGES)
+        configs = [
+            GenerationConfig(
+                max_new_tokens=160,
+                do_sample=True,
+                random_seed=seed,
+                structured_outputs=spec,
+                logits_processors=[start_a_call],
+            )
+            for seed in range(16)
+        ]
+        outs = pipe([prompt] * len(configs), configs)
+    for out in outs:
+        content, calls = TOOL_PARSERS[parser]().parse(out.text)
+        assert calls and (parallel or len(calls) == 1), repr(out.text)
+        for call in calls:
+            MODELS[call.name].model_validate_json(call.arguments)
+        if not parallel:  # one call, then the end (free text may follow parallel calls)
+            assert out.finish_reason == "stop" and content is None, out.text
+
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get the current weather in a given city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "description": "The city name"}},
+            "required": ["city"],
+        },
+    },
+}
+EARLIER_CALL = [  # one earlier exchange with the tool, as an agent's history has
+    {"role": "user", "content": "What's the weather in Berlin?"},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "call_0",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Berlin"}'},
+            }
+        ],
+    },
+    {"role": "tool", "tool_call_id": "call_0", "content": '{"temperature": 12, "sky": "cloudy"}'},
+    {"role": "assistant", "content": "It is 12 °C and cloudy in Berlin."},
+]
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_path):
+    with tiny_server(smollm2_path, "--api-keys", API_KEY, "--num-gpu-blocks", "512") as url:
+        yield openai_client(url)
+
+
+@pytest.mark.parametrize(
+    "question, city",
+    [
+        ("What is the weather like in Paris today?", "Paris"),
+        ("What's the weather in Tokyo?", "Tokyo"),
+        ("Is it raining in London right now?", "London"),
+        ("Write a haiku about the sea.", None),
+        ("What is 2 + 2?", None),
+    ],
+)
+def test_smollm2_calls_the_tool_when_the_question_needs_it(smollm2, question, city):
+    """SmolLM2-135M under `auto`, greedy: a weather question is answered with a call of the
+    weather tool for that city; other questions with text."""
+    args = dict(
+        model="SmolLM2-135M-Instruct",
+        messages=[*EARLIER_CALL, {"role": "user", "content": question}],
+        tools=[WEATHER_TOOL],
+        max_tokens=48,
+        temperature=0,
+    )
+    message = smollm2.chat.completions.create(**args).choices[0].message
+    if city is None:
+        assert message.tool_calls is None and message.content
+        return
+    ((call,),) = [message.tool_calls]
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": city}
+    content, calls, reason = reassemble(smollm2.chat.completions.create(**args, stream=True))
+    assert reason == "tool_calls" and not content
+    assert [(c["name"], c["arguments"]) for c in calls.values()] == [
+        ("get_weather", call.function.arguments)
+    ]

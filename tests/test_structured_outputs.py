@@ -2,7 +2,7 @@
 it emits noise, so every valid output is the grammar's doing. Over many seeds, sampled and
 greedy, batched with unconstrained requests, under chunked prefill and preemption: JSON that
 validates against a schema, strings that fully match a regex, one of the choices, sentences
-of an EBNF grammar. Bad specs fail only their request."""
+of an EBNF grammar, xgrammar structural tags. Bad specs fail only their request."""
 
 from __future__ import annotations
 
@@ -40,12 +40,40 @@ greeting ::= "hello" | "hi" | "good " ("morning" | "evening")
 name ::= [A-Z] [a-z] [a-z]? [a-z]?
 """
 GRAMMAR_RE = r"(hello|hi|good (morning|evening)) [A-Z][a-z]{1,3}!"
+# xgrammar's structural tag: fixed text, then a tagged JSON object (at most one whitespace
+# character in a row), then the end
+TAG = {
+    "type": "structural_tag",
+    "format": {
+        "type": "sequence",
+        "elements": [
+            {"type": "const_string", "value": "Answer: "},
+            {
+                "type": "tag",
+                "begin": "<address>",
+                "content": {
+                    "type": "json_schema",
+                    "json_schema": Address.model_json_schema(),
+                    "max_whitespace_cnt": 1,
+                },
+                "end": "</address>",
+            },
+        ],
+    },
+}
+
+
+def _check_tag(text: str):
+    found = re.fullmatch(r"Answer: <address>(.*)</address>", text, re.DOTALL) or _fail(text)
+    Address.model_validate_json(found.group(1))
+
 
 SPECS = {
     "json": ({"json": Person.model_json_schema()}, lambda t: Person.model_validate_json(t)),
     "regex": ({"regex": REGEX}, lambda t: re.fullmatch(REGEX, t) or _fail(t)),
     "choice": ({"choice": CHOICES}, lambda t: t in CHOICES or _fail(t)),
     "grammar": ({"grammar": GRAMMAR}, lambda t: re.fullmatch(GRAMMAR_RE, t) or _fail(t)),
+    "structural_tag": ({"structural_tag": TAG}, _check_tag),
 }
 
 
@@ -113,6 +141,7 @@ BAD = {
     "schema not JSON": ({"json": "{not json"}, "does not compile"),
     "regex": ({"regex": "(ab"}, "The parenthesis is not closed"),
     "grammar": ({"grammar": "root ::= "}, "EBNF parser error"),
+    "structural tag": ({"structural_tag": {"type": "structural_tag"}}, "does not compile"),
 }
 
 
@@ -140,6 +169,7 @@ def test_config_checks_the_shape_of_structured_outputs():
         ({"choice": []}, "non-empty list"),
         ({"json_object": 1}, "must be True"),
         ({"regex": ""}, "non-empty regex"),
+        ({"structural_tag": 1}, "structural tag"),
     ]:
         with pytest.raises(ValueError, match=message):
             GenerationConfig(structured_outputs=spec)

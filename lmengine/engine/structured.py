@@ -52,6 +52,18 @@ def without_raw_control_chars(schema: Any) -> Any:
     return out
 
 
+def tag_without_raw_control_chars(tag: Any) -> Any:
+    """A structural tag with `without_raw_control_chars` applied to each JSON schema in it."""
+    if isinstance(tag, list):
+        return [tag_without_raw_control_chars(t) for t in tag]
+    if not isinstance(tag, dict):
+        return tag
+    out = {k: tag_without_raw_control_chars(v) for k, v in tag.items() if k != "json_schema"}
+    if "json_schema" in tag:
+        out["json_schema"] = without_raw_control_chars(tag["json_schema"])
+    return out
+
+
 def choice_grammar(choices: Seq[str]) -> str:
     """An EBNF grammar whose sentences are exactly `choices` (JSON-escaped literals)."""
     return "root ::= " + " | ".join(json.dumps(c) for c in choices)
@@ -85,6 +97,9 @@ class GrammarCompiler:
                 return self._compiler.compile_regex(value)
             if kind == "choice":
                 return self._compiler.compile_grammar(choice_grammar(value))
+            if kind == "structural_tag":
+                tag = json.loads(value) if isinstance(value, str) else value
+                return self._compiler.compile_structural_tag(tag_without_raw_control_chars(tag))
             return self._compiler.compile_grammar(value)
         except Exception as e:  # xgrammar raises RuntimeError (and ValueError) on bad input
             raise RequestError(

@@ -48,10 +48,14 @@ async def create_chat_completion(
     num_top = body.top_logprobs or 0
     logprobs = num_top if body.logprobs else None
     configs = gen_configs(body, 1, max_tokens, logprobs, client.session_len, body.prompt_logprobs)
-    constraint = tool_constraint(body, mode, name)
-    if constraint is not None:  # required / a named function: the calls always parse
-        if configs[0].structured_outputs is not None:
+    settings = client.settings
+    auto_parser = settings.tool_call_parser if settings.auto_tool_constraint else None
+    constraint = tool_constraint(body, mode, name, auto_parser)
+    if constraint is not None and configs[0].structured_outputs is not None:
+        if mode != "auto":  # under auto, the client's own constraint wins
             raise APIError(400, "tool_choice with another output constraint", param="tool_choice")
+        constraint = None
+    if constraint is not None:  # the calls always parse
         for cfg in configs:
             cfg.structured_outputs = constraint
     if max_tokens is None:  # NOTE: no limit asked: up to the end of the context
@@ -128,7 +132,7 @@ def _stream(
     def make_chunk(i: int, resp, delta: str, start: int) -> dict | None:
         delta, calls = outputs[i].delta(resp.text or "", resp.finish_reason is not None)
         reason = finish_reason(resp)
-        if resp.finish_reason is not None and (calls or tool_mode[0] == "named"):
+        if resp.finish_reason is not None and outputs[i].called:
             reason = "tool_calls"
         logprobs = None
         if body.logprobs:

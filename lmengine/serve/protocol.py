@@ -31,6 +31,7 @@ class StructuredOutputs(BaseModel):
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    structural_tag: dict | str | None = None  # xgrammar's structural tag
 
 
 class JSONSchemaFormat(BaseModel):

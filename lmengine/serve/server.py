@@ -62,6 +62,13 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
         "SmolLM2) or llama3_json (Llama 3.x) (default: hermes)",
     )
     g.add_argument(
+        "--no-auto-tool-constraint",
+        dest="auto_tool_constraint",
+        action="store_false",
+        help="under tool_choice=auto, leave generation free (by default a call the model "
+        "starts is constrained to the tools' schemas, so it always parses)",
+    )
+    g.add_argument(
         "--grace-period",
         type=float,
         default=30.0,
@@ -105,6 +112,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         request_timeout=args.request_timeout,
         chat_template=template,
         tool_call_parser=args.tool_call_parser,
+        auto_tool_constraint=args.auto_tool_constraint,
         qos_enabled=engine_config.qos_config_path is not None,
     )
     with model_load_errors(model, engine_config):

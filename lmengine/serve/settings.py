@@ -18,4 +18,5 @@ class ServerSettings:
     request_timeout: float = 0.0  # seconds; 0: none
     chat_template: str | None = None  # Jinja source replacing the tokenizer's template
     tool_call_parser: str = "hermes"  # how tool calls are found in text (serve/tools.py)
+    auto_tool_constraint: bool = True  # under tool_choice=auto, a call that starts parses
     qos_enabled: bool = False

@@ -2,13 +2,19 @@
 `tool_choice` implies, and the model's text back into OpenAI's `tool_calls`.
 
 - `tool_choice="auto"`: the tools go into the prompt (through the chat template when it takes
-  `tools`, else as a system message in the Hermes style most instruct models were trained on),
-  generation is free, and a parser of the model family finds the calls in the text.
+  `tools`, else as a system message in the Hermes style most instruct models were trained on,
+  with tool results as `<tool_response>` user turns). The model decides whether to call; once
+  it starts the parser's call markup (`<tool` for hermes, `{"name": ` for llama3_json), the
+  rest of the call is constrained to the functions' schemas (an xgrammar structural tag), so
+  a call that starts always parses. `--no-auto-tool-constraint` leaves `auto` free.
 - `"required"`: the output is constrained to a JSON array of calls `[{"name", "arguments"}]`
   over the given functions (one call when `parallel_tool_calls` is false), so it always parses.
 - a named function: the output is constrained to that function's parameters schema; it is the
   call's `arguments`.
 - `"none"`: the tools are left out; plain text.
+
+A call's `arguments` are the JSON text the model wrote (found with `written_calls`), so a
+streamed call's argument pieces add up to the same text as the whole answer's.
 
 Parsers are registered by name (`TOOL_PARSERS`, the server's `--tool-call-parser`): `hermes`
 (`<tool_call>{...}</tool_call>` blocks of Qwen 2.5/3 and Hermes; a JSON list inside one block,
@@ -41,11 +47,80 @@ class ToolCall:
         return call if index is None else {"index": index, **call}
 
 
+# the head of a call as models write it: {"name": "...", "arguments" (or "parameters"): ...
+_CALL_HEAD = re.compile(
+    r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:\s*'
+)
+
+
+def written_calls(text: str) -> list[tuple[ToolCall, bool]]:
+    """The calls written `{"name": ..., "arguments": ...}` in `text` as far as it goes, each
+    with its arguments' JSON text as written and whether that text is complete."""
+    calls = []
+    decoder = json.JSONDecoder()
+    at = 0
+    while (head := _CALL_HEAD.search(text, at)) is not None:
+        name = json.loads(head.group(1))
+        try:
+            _, end = decoder.raw_decode(text, head.end())
+        except json.JSONDecodeError:  # still being written (or cut): what there is so far
+            calls.append((ToolCall(name, text[head.end() :]), False))
+            break
+        calls.append((ToolCall(name, text[head.end() : end]), True))
+        at = end
+    return calls
+
+
 def _call_of(obj, arguments_key: str = "arguments") -> ToolCall | None:
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
     args = obj.get(arguments_key, obj.get("arguments", obj.get("parameters", {})))
     return ToolCall(obj["name"], args if isinstance(args, str) else json.dumps(args))
+
+
+def calls_of_json(raw: str, obj, arguments_key: str = "arguments") -> list[ToolCall]:
+    """The calls in parsed JSON `obj` (a call or a list of calls) whose text is `raw`: with
+    the arguments as written when the calls are written name first, else re-serialized."""
+    parsed = [c for c in map(_call_of, obj if isinstance(obj, list) else [obj]) if c]
+    written = [c for c, complete in written_calls(raw) if complete]
+    return written if [c.name for c in written] == [c.name for c in parsed] else parsed
+
+
+def call_schema(functions: list) -> dict:
+    """One call `{"name", "arguments"}` to any of the functions, as a JSON schema."""
+    return {
+        "anyOf": [
+            {
+                "type": "object",
+                "properties": {
+                    "name": {"const": f.name},
+                    "arguments": f.parameters or {"type": "object"},
+                },
+                "required": ["name", "arguments"],
+            }
+            for f in functions
+        ]
+    }
+
+
+def calls_schema(functions: list, parallel: bool) -> dict:
+    """A JSON array of one or more calls (at most one unless parallel)."""
+    schema = {"type": "array", "items": call_schema(functions), "minItems": 1}
+    return schema if parallel else {**schema, "maxItems": 1}
+
+
+def _json_content(schema: dict) -> dict:
+    # NOTE: at most one whitespace character in a row: a weak model given more fills its
+    # budget with spaces and newlines
+    return {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": 1}
+
+
+def _triggered(trigger: str, tags: list[dict], parallel: bool) -> dict:
+    """Free text until `trigger`, then one of `tags` (then free text again, or, when calls
+    are not parallel, the end)."""
+    fmt = {"type": "triggered_tags", "triggers": [trigger], "tags": tags}
+    fmt["stop_after_first"] = not parallel
+    return {"structural_tag": {"type": "structural_tag", "format": fmt}}
 
 
 class HermesParser:
@@ -59,17 +134,23 @@ class HermesParser:
         calls = []
         for body in self._BLOCK.findall(text):
             try:
-                obj = json.loads(body)
+                calls += calls_of_json(body, json.loads(body))
             except json.JSONDecodeError:
                 continue
-            for item in obj if isinstance(obj, list) else [obj]:
-                call = _call_of(item)
-                if call is not None:
-                    calls.append(call)
         if not calls:
             return text, []
         content = self._BLOCK.sub("", text).strip()
         return content or None, calls
+
+    def auto_constraint(self, functions: list, parallel: bool) -> dict:
+        """Free text, but markup that starts `<tool` is a `<tool_call>` block of calls (an
+        object or a list, a newline allowed on either side, as Qwen and SmolLM2 write)."""
+        newline = {"type": "regex", "pattern": "\\n?"}
+        one = call_schema(functions)
+        content = {"anyOf": [one, calls_schema(functions, parallel)]}
+        body = {"type": "sequence", "elements": [newline, _json_content(content), newline]}
+        tag = {"begin": self.start, "content": body, "end": "</tool_call>"}
+        return _triggered("<tool", [tag], parallel)
 
 
 class Llama3JsonParser:
@@ -90,14 +171,26 @@ class Llama3JsonParser:
                 obj, end = decoder.raw_decode(body, at)
             except json.JSONDecodeError:
                 return text, []
-            call = _call_of(obj, "parameters")
-            if call is None:
+            found = calls_of_json(body[at:end], obj, "parameters")
+            if not found:
                 return text, []
-            calls.append(call)
+            calls += found
             at = end
             while at < len(body) and body[at] in " \n\t;":
                 at += 1
         return None, calls
+
+    def auto_constraint(self, functions: list, parallel: bool) -> dict:
+        """Free text, but an object that starts `{"name": ` is a call of one function."""
+        tags = [
+            {
+                "begin": f'{{"name": {json.dumps(f.name)}, "parameters": ',
+                "content": _json_content(f.parameters or {"type": "object"}),
+                "end": "}",
+            }
+            for f in functions
+        ]
+        return _triggered('{"name": ', tags, parallel)
 
 
 TOOL_PARSERS = {"hermes": HermesParser, "llama3_json": Llama3JsonParser}
@@ -120,30 +213,20 @@ def tool_choice_mode(body) -> tuple[str, str | None]:
     return "named", name
 
 
-def tool_constraint(body, mode: str, name: str | None) -> dict | None:
-    """The structured_outputs spec that `required` or a named function implies."""
-    functions = {t.function.name: t.function for t in body.tools or []}
+def tool_constraint(body, mode: str, name: str | None, auto_parser: str | None) -> dict | None:
+    """The structured_outputs spec that `tool_choice` implies: a named function's parameters,
+    `required`'s array of calls, or (with `auto_parser`) the parser's constraint on calls the
+    model starts under `auto`."""
+    functions = [t.function for t in body.tools or []]
     if mode == "named":
-        return {"json": functions[name].parameters or {"type": "object"}}
-    if mode != "required":
-        return None
-    call = {
-        "anyOf": [
-            {
-                "type": "object",
-                "properties": {
-                    "name": {"const": f.name},
-                    "arguments": f.parameters or {"type": "object"},
-                },
-                "required": ["name", "arguments"],
-            }
-            for f in functions.values()
-        ]
-    }
-    schema = {"type": "array", "items": call, "minItems": 1}
-    if not body.parallel_tool_calls:
-        schema["maxItems"] = 1
-    return {"json": schema}
+        return {
+            "json": next(f for f in functions if f.name == name).parameters or {"type": "object"}
+        }
+    if mode == "required":
+        return {"json": calls_schema(functions, body.parallel_tool_calls)}
+    if mode == "auto" and auto_parser is not None:
+        return TOOL_PARSERS[auto_parser]().auto_constraint(functions, body.parallel_tool_calls)
+    return None
 
 
 def calls_from_constrained(text: str, mode: str, name: str | None) -> list[ToolCall]:
@@ -151,10 +234,9 @@ def calls_from_constrained(text: str, mode: str, name: str | None) -> list[ToolC
     if mode == "named":
         return [ToolCall(name, text)]
     try:
-        items = json.loads(text)
+        return calls_of_json(text, json.loads(text))
     except json.JSONDecodeError:  # cut by max_tokens: no complete call
         return []
-    return [c for c in (_call_of(item) for item in items) if c is not None]
 
 
 def template_takes_tools(tokenizer, template: str | None) -> bool:
@@ -194,7 +276,8 @@ def _calls_of_message(message) -> list[dict]:
 def chat_messages(messages, native_tools: bool) -> list[dict]:
     """The request's messages for the chat template. With a template that takes tools, the
     assistant's `tool_calls` stay structured (arguments as objects); otherwise tool calls are
-    written as the Hermes-style text the tools system prompt asks for."""
+    written as the Hermes-style text the tools system prompt asks for, and tool results as
+    `<tool_response>` user turns (as Qwen's template writes them)."""
     out = []
     for m in messages:
         message = {"role": m.role, "content": text_of(m)}
@@ -205,22 +288,28 @@ def chat_messages(messages, native_tools: bool) -> list[dict]:
             else:
                 text = f"<tool_call>{json.dumps(calls)}</tool_call>"
                 message["content"] = f"{message['content']}\n{text}".strip()
-        if m.role == "tool" and m.tool_call_id is not None and native_tools:
+        if m.role == "tool" and native_tools and m.tool_call_id is not None:
             message["tool_call_id"] = m.tool_call_id
+        elif m.role == "tool" and not native_tools:  # a template without a tool role
+            content = f"<tool_response>\n{message['content']}\n</tool_response>"
+            message = {"role": "user", "content": content}
         out.append(message)
     return out
 
 
 class ToolOutput:
     """One choice's text turned into content and tool calls, whole (`final`) or step by step
-    (`delta`): under `auto`, content streams until the parser's start marker may begin and
-    the calls follow complete when the choice ends; a named function's arguments stream as
-    they come; `required` calls come complete at the end."""
+    (`delta`). Streamed, content goes out until the parser's start marker may begin; each call
+    then opens (id and name) as soon as its name is written and its arguments follow as they
+    are written; calls found only in the whole text (another key order) come at the end."""
 
     def __init__(self, mode: str, name: str | None, parser_name: str) -> None:
         self.mode, self.name = mode, name
         self.parser = TOOL_PARSERS[parser_name]()
         self.sent = 0  # characters of text already sent (content, or named arguments)
+        self.calls_at: int | None = None  # where the calls begin in the text (auto)
+        self.args_sent: list[int] = []  # characters of each streamed call's arguments sent
+        self.called = False  # whether the finished text holds calls (finish_reason)
 
     def final(self, text: str) -> tuple[str | None, list[ToolCall]]:
         if self.mode in ("required", "named"):
@@ -235,32 +324,61 @@ class ToolOutput:
         self.sent += len(new)
         return new
 
+    def _call_deltas(self, text: str) -> list[dict]:
+        """`delta.tool_calls` entries for what `text` (from the calls on) adds to the calls
+        streamed so far: a new call opens with its id and name."""
+        deltas = []
+        for i, (call, _) in enumerate(written_calls(text)):
+            opens = i == len(self.args_sent)
+            if opens:
+                self.args_sent.append(0)
+            new = call.arguments[self.args_sent[i] :]
+            self.args_sent[i] += len(new)
+            if opens:
+                deltas.append(ToolCall(call.name, new).openai(i))
+            elif new:
+                deltas.append({"index": i, "function": {"arguments": new}})
+        return deltas
+
+    def _auto_step(self, text: str) -> tuple[str, list[dict]]:
+        """Content up to where a call may begin, and the call deltas after it."""
+        if self.calls_at is None:
+            marker = self.parser.start
+            at = text.find(marker)
+            if at < 0:  # hold back a tail that may be the start of the marker
+                tail = next(
+                    (k for k in range(min(len(marker) - 1, len(text)), 0, -1)
+                     if text.endswith(marker[:k])),
+                    0,
+                )  # fmt: skip
+                return self._take(text, len(text) - tail), []
+            self.calls_at = at
+            return self._take(text, at), self._call_deltas(text[at:])
+        return "", self._call_deltas(text[self.calls_at :])
+
     def delta(self, text: str, finished: bool) -> tuple[str, list[dict] | None]:
         """(content to send now, tool_calls delta or None) for the choice's text so far."""
         if self.mode == "none":
             return self._take(text, len(text)), None
         if self.mode == "named":  # the text is the arguments: the call opens, then grows
+            self.called = finished
             first = self.sent == 0
             new = self._take(text, len(text))
             if not (new or first):
                 return "", None
             call = ToolCall(self.name, new).openai(0) if first else None
             return "", [call or {"index": 0, "function": {"arguments": new}}]
-        if self.mode == "required":
-            calls = self.final(text)[1] if finished else None
-            return "", None if calls is None else [c.openai(i) for i, c in enumerate(calls)]
-        if finished:  # auto
-            _, calls = self.final(text)
-            if calls:
-                return "", [c.openai(i) for i, c in enumerate(calls)]
-            return self._take(text, len(text)), None
-        marker = self.parser.start
-        end = text.find(marker)
-        if end < 0:  # hold back a tail that may be the start of the marker
-            tail = next(
-                (k for k in range(min(len(marker) - 1, len(text)), 0, -1)
-                 if text.endswith(marker[:k])),
-                0,
-            )  # fmt: skip
-            end = len(text) - tail
-        return self._take(text, end), None
+        content, deltas = ("", self._call_deltas(text)) if self.mode == "required" else (
+            self._auto_step(text)
+        )  # fmt: skip
+        if finished:
+            final_content, calls = self.final(text)
+            self.called = bool(calls)
+            if self.mode == "auto" and not (calls or self.args_sent):  # no call after all
+                return content + self._take(text, len(text)), None
+            # calls written in another key order were not streamed: they come whole
+            deltas += [c.openai(i) for i, c in enumerate(calls) if i >= len(self.args_sent)]
+            prefix = text[: self.sent]  # content after the calls (auto)
+            if final_content and final_content.startswith(prefix):
+                content += final_content[len(prefix) :]
+        return content, deltas or None
