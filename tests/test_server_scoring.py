@@ -144,7 +144,7 @@ BOTH = {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}
         ("/tokenize", {}, 400, "exactly one"),
         ("/tokenize", {"prompt": "a", "model": "nope"}, 404, "does not exist"),
         ("/detokenize", {"tokens": [10**6]}, 400, "outside the vocabulary"),
-        ("/v1/completions", TOO_LONG, 400, "session_len"),
+        ("/v1/completions", TOO_LONG, 400, "context is 256 tokens"),
         ("/v1/completions", {"prompt": "hi", "prompt_logprobs": 21}, 400, "prompt_logprobs"),
     ],
 )

@@ -18,6 +18,7 @@ from lmengine.serve.client import EngineClient
 from lmengine.serve.convert import gen_configs as _gen_configs  # noqa: F401 - the old name
 from lmengine.serve.errors import install_error_handlers
 from lmengine.serve.jobs import ResponseRouter
+from lmengine.serve.limits import BodyLimit
 from lmengine.serve.routes_health import health_router
 from lmengine.serve.routes_openai import openai_router
 from lmengine.serve.routes_qos import qos_router
@@ -34,8 +35,8 @@ def build_app(engine, settings: ServerSettings) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         client.router = ResponseRouter(asyncio.get_running_loop())
         yield
-        for job in {id(j): j for j in client.router.jobs.values()}.values():
-            job.cancel("server shutdown")
+        client.end_requests("server shutdown")
+        client.close()
         await asyncio.to_thread(engine.close)
 
     app = FastAPI(
@@ -45,10 +46,27 @@ def build_app(engine, settings: ServerSettings) -> FastAPI:
         lifespan=lifespan,
     )
     app.state.client = client
+    app.openapi = lambda: _openapi(app)
     install_error_handlers(app, client.metrics)
+    app.add_middleware(BodyLimit, limit=settings.max_body_bytes, metrics=client.metrics)
     # NOTE: this order is the order of the paths in the OpenAPI document
     app.include_router(health_router(client))
     app.include_router(openai_router(client))
     app.include_router(qos_router(client))
     app.include_router(tokenizer_router(client))
     return app
+
+
+def _openapi(app: FastAPI) -> dict:
+    """FastAPI's OpenAPI document, without the 422 it lists for every body: this server
+    answers a body that does not validate with 400 (listed per route)."""
+    if app.openapi_schema is None:
+        from fastapi.openapi.utils import get_openapi
+
+        schema = get_openapi(title=app.title, version=app.version,
+                             description=app.description, routes=app.routes)  # fmt: skip
+        for path in schema.get("paths", {}).values():
+            for operation in path.values():
+                operation.get("responses", {}).pop("422", None)
+        app.openapi_schema = schema
+    return app.openapi_schema

@@ -43,7 +43,9 @@ async def create_chat_completion(
             messages[0] = {**messages[0], "content": prompt + "\n\n" + messages[0]["content"]}
         else:
             messages.insert(0, {"role": "system", "content": prompt})
-    ids = client.encode_chat(messages, body.add_generation_prompt, tools if native else None)
+    ids = await client.off_loop(
+        client.encode_chat, messages, body.add_generation_prompt, tools if native else None
+    )
     max_tokens = body.max_completion_tokens or body.max_tokens
     num_top = body.top_logprobs or 0
     logprobs = num_top if body.logprobs else None
@@ -63,8 +65,7 @@ async def create_chat_completion(
             cfg.max_new_tokens = max(1, client.session_len - len(ids))
             cfg.min_new_tokens = min(cfg.min_new_tokens, cfg.max_new_tokens)
     job = client.new_job(endpoint)
-    client.check_queue(len(configs))
-    job.submit([ids] * body.n, configs, adapter, body.priority, body.user_id or body.user)
+    client.submit(job, [ids] * body.n, configs, adapter, body.priority, body.user_id or body.user)
     return await run_job(
         job,
         request,

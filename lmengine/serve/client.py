@@ -4,11 +4,15 @@ admit a request (adapter lookup, queue limit, shutdown)."""
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
-from lmengine.engine.request import Response
-from lmengine.serve.errors import APIError
+from lmengine.config import GenerationConfig
+from lmengine.engine.request import AddRequest, RequestError, Response
+from lmengine.serve.errors import APIError, engine_error
 from lmengine.serve.jobs import Job, ResponseRouter
 from lmengine.serve.logprobs import TokenTexts
 from lmengine.serve.metrics import ServerMetrics
@@ -34,6 +38,8 @@ class EngineClient:
         self.created = int(time.time())
         self.is_shutting_down: Callable[[], bool] = lambda: False
         self.token_text = TokenTexts(self.tokenizer)
+        # NOTE: one thread: a fast tokenizer is not safe for concurrent encodes
+        self._tokenizing = ThreadPoolExecutor(1, thread_name_prefix="lmengine-tokenize")
 
     # ---- models -------------------------------------------------------------------------------
     def adapter_names(self) -> list[str]:
@@ -51,6 +57,12 @@ class EngineClient:
         )
 
     # ---- text -> token ids --------------------------------------------------------------------
+    async def off_loop(self, fn: Callable, *args, **kwargs):
+        """`fn(*args, **kwargs)` in the tokenizing thread: templating and tokenizing a large request
+        never delay another request's tokens or /health."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenizing, functools.partial(fn, *args, **kwargs))
+
     def encode_text(self, text: str) -> list[int]:
         return list(self.tokenizer(text)["input_ids"])
 
@@ -88,9 +100,48 @@ class EngineClient:
             self.settings.request_timeout or None,
         )
 
+    def submit(
+        self,
+        job: Job,
+        prompts: list[list[int]],
+        configs: list[GenerationConfig],
+        adapter: str | None,
+        priority: int | None,
+        user: str | None,
+    ) -> None:
+        """Submit one engine request per choice (prompt i's token ids for configs i): 400 for
+        a request that can never run, checked before the queue (429), so that a client only
+        retries what can succeed."""
+        for ids, cfg in zip(prompts, configs):
+            wanted = len(ids) + cfg.max_new_tokens
+            if wanted > self.session_len and ids:
+                raise APIError(
+                    400,
+                    f"this model's context is {self.session_len} tokens, the request needs "
+                    f"{wanted} ({len(ids)} in the prompt, {cfg.max_new_tokens} to generate): "
+                    "shorten the prompt or lower max_tokens",
+                    param="max_tokens",
+                    code="context_length_exceeded",
+                )
+            req = AddRequest(0, ids, cfg, None, adapter, priority, user)
+            try:
+                self.engine.validator.validate(req)
+            except RequestError as e:
+                raise engine_error(str(e)) from None
+        self.check_queue(len(configs))
+        job.submit(prompts, configs, adapter, priority, user)
+
     def check_queue(self, num_choices: int) -> None:
-        """429 with Retry-After when `num_choices` more would pass `--max-queued-requests`."""
+        """429 with Retry-After when `num_choices` more would pass `--max-queued-requests`
+        now; 400 when they are more than it allows at all."""
         limit = self.settings.max_queued_requests
+        if limit and num_choices > limit:
+            raise APIError(
+                400,
+                f"the request has {num_choices} choices (prompts x n), more than the server "
+                f"queues at once ({limit}): split it",
+                param="n",
+            )
         if limit and self.metrics.num_queued + num_choices > limit:
             raise APIError(
                 429,
@@ -99,6 +150,15 @@ class EngineClient:
                 "too_many_requests",
                 headers={"Retry-After": "1"},
             )
+
+    def close(self) -> None:
+        self._tokenizing.shutdown(wait=False, cancel_futures=True)
+
+    def end_requests(self, reason: str) -> None:
+        """Cancel every running request (the event loop): each answers 503 (`Job.cancel`)."""
+        if self.router is not None:
+            for job in {id(j): j for j in self.router.jobs.values()}.values():
+                job.cancel(reason)
 
     # ---- answers ------------------------------------------------------------------------------
     def model_name(self, body) -> str:

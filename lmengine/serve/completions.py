@@ -43,7 +43,9 @@ async def create_completion(
         prompts = list(prompt) or [[]]
     if len(prompts) * body.n > MAX_CHOICES:
         raise APIError(400, f"at most {MAX_CHOICES} prompts x n per request", param="n")
-    ids = [client.encode_text(p) if isinstance(p, str) else list(p) for p in prompts]
+    ids = await client.off_loop(
+        lambda: [client.encode_text(p) if isinstance(p, str) else list(p) for p in prompts]
+    )
     # the prompt's logprobs: echoed with `logprobs`, or vLLM's `prompt_logprobs` (the larger N)
     asked = [
         n for n in (body.logprobs if body.echo else None, body.prompt_logprobs) if n is not None
@@ -52,8 +54,8 @@ async def create_completion(
         body, len(ids), body.max_tokens, body.logprobs, client.session_len, max(asked, default=None)
     )
     job = client.new_job(endpoint)
-    client.check_queue(len(configs))
-    job.submit(
+    client.submit(
+        job,
         [p for p in ids for _ in range(body.n)],
         configs,
         adapter,

@@ -12,6 +12,7 @@ import logging
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lmengine.engine.request import STEP_FAILED
@@ -20,6 +21,37 @@ from lmengine.serve.metrics import ServerMetrics
 logger = logging.getLogger("lmengine.serve")
 
 ENGINE_GONE = ("engine closed", "engine loop died")
+
+
+class ErrorBody(BaseModel):
+    """OpenAI's error body, as every error answer carries it."""
+
+    class Detail(BaseModel):
+        message: str
+        type: str
+        param: str | None = None
+        code: str | int | None = None
+
+    error: Detail
+
+
+def error_responses(*statuses: int) -> dict:
+    """OpenAPI `responses` for error statuses, each with OpenAI's error body."""
+    return {s: {"model": ErrorBody, "description": ERROR_MEANINGS[s]} for s in statuses}
+
+
+ERROR_MEANINGS = {
+    400: "invalid request (the message says what is wrong)",
+    401: "missing or wrong API key",
+    404: "unknown model or adapter",
+    413: "request body too large",
+    429: "too many queued requests (see Retry-After)",
+    499: "request cancelled",
+    500: "the step running the request failed",
+    503: "the engine is not running, or the server is shutting down",
+    504: "the request timed out (--request-timeout)",
+}
+GENERATION_ERRORS = error_responses(400, 401, 404, 413, 429, 499, 500, 503, 504)
 
 
 class APIError(Exception):
@@ -80,13 +112,15 @@ def install_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
         for e in err.errors()[:3]:
             loc = [str(x) for x in e.get("loc", ()) if x != "body"]
             param = param or (".".join(loc) or None)
-            problems.append(f"{'.'.join(loc) or 'body'}: {e.get('msg')}")
+            message = str(e.get("msg", "")).removeprefix("Value error, ")
+            problems.append(f"{'.'.join(loc) or 'body'}: {message}")
         return error_json(APIError(400, "invalid request: " + "; ".join(problems), param=param))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, err: StarletteHTTPException):
         code = "not_found" if err.status_code == 404 else None
-        return error_json(APIError(err.status_code, str(err.detail), code=code))
+        headers = getattr(err, "headers", None)  # 405: Allow
+        return error_json(APIError(err.status_code, str(err.detail), code=code, headers=headers))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, err: Exception):

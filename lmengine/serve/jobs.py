@@ -198,7 +198,19 @@ class Job:
             if first is not None and first.finish_reason == "error" and not first.token_ids:
                 raise engine_error(first.error or "request failed")
         if self.cancel_reason is not None and self.cancel_reason != "refused":
-            raise APIError(499, f"request cancelled: {self.cancel_reason}", code="cancelled")
+            raise self.cancel_error() or APIError(
+                499, f"request cancelled: {self.cancel_reason}", code="cancelled"
+            )
+
+    def cancel_error(self) -> APIError | None:
+        """The error a cancelled job answers with (None: a cancel the client asked for)."""
+        if self.cancel_reason == "timeout":
+            return APIError(504, "request timed out", "timeout", "timeout")
+        if self.cancel_reason == "server shutdown":
+            return APIError(
+                503, "the server shut down before the request finished", "service_unavailable"
+            )
+        return None
 
     async def responses(self) -> AsyncIterator[tuple[int, Response]]:
         """(choice index, Response) until every choice has finished; raises APIError(504)
@@ -212,8 +224,9 @@ class Job:
                 self.cancel("timeout")
                 raise APIError(504, "request timed out", "timeout", "timeout") from None
             if item is None:
-                if self.cancel_reason == "timeout":
-                    raise APIError(504, "request timed out", "timeout", "timeout")
+                err = self.cancel_error()
+                if err is not None:
+                    raise err
                 continue
             yield item
 

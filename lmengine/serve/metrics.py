@@ -18,7 +18,7 @@ ENGINE_GAUGES = {
     "num_waiting": ("lmengine_num_requests_waiting", "sequences waiting to be scheduled"),
     "num_swapped": ("lmengine_num_requests_swapped", "sequences swapped out to host memory"),
     "num_free_blocks": ("lmengine_kv_blocks_free", "free device KV blocks"),
-    "num_total_blocks": ("lmengine_kv_blocks_total", "device KV blocks"),
+    "num_total_blocks": ("lmengine_kv_blocks_capacity", "device KV blocks in the pool"),
     "num_preemptions": ("lmengine_num_preemptions_total", "preemptions since start"),
 }
 
@@ -88,7 +88,7 @@ class ServerMetrics:
             lines.extend([f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {value}"])
 
         for key, (name, help_text) in ENGINE_GAUGES.items():
-            kind = "counter" if name.endswith("_total") else "gauge"
+            kind = "counter" if name.endswith("_total") else "gauge"  # Prometheus naming
             gauge(name, help_text, stats.get(key, 0), kind)
         used = stats.get("num_total_blocks", 0) - stats.get("num_free_blocks", 0)
         gauge("lmengine_kv_blocks_used", "device KV blocks in use", used)

@@ -10,11 +10,49 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MAX_CHOICES = 64  # n (x prompts) per request
 MAX_STOP_WORDS = 16
 TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
+ROLES = ("system", "user", "assistant", "tool", "developer")  # OpenAI's message roles
+
+
+def lone_surrogate(value, path: str = "") -> str | None:
+    """Where in a JSON value a string holds a lone UTF-16 surrogate (JSON can escape one,
+    \\ud800, but it is no Unicode text): "path (U+D800)", or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            return f"{path or 'the body'} (U+{ord(value[e.start]):04X})"
+        return None
+    if isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, list):
+        items = enumerate(value)
+    else:
+        return None
+    for key, item in items:
+        where = lone_surrogate(key, path) if isinstance(key, str) else None
+        where = where or lone_surrogate(item, f"{path}.{key}" if path else str(key))
+        if where is not None:
+            return where
+    return None
+
+
+class _Body(BaseModel):
+    """A request body: text in it must be Unicode (checked before the fields)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unicode_text(cls, data):
+        where = lone_surrogate(data)
+        if where is not None:
+            raise ValueError(f"{where}: a lone surrogate is not valid Unicode text")
+        return data
 
 
 class StreamOptions(BaseModel):
@@ -49,10 +87,8 @@ class ResponseFormat(BaseModel):
     json_schema: JSONSchemaFormat | None = None
 
 
-class _SamplingFields(BaseModel):
+class _SamplingFields(_Body):
     """What completions and chat completions share."""
-
-    model_config = ConfigDict(extra="ignore")
 
     model: str | None = None  # the served model or an adapter name; None: the base model
     n: int = Field(1, ge=1, le=MAX_CHOICES)
@@ -94,7 +130,12 @@ class _SamplingFields(BaseModel):
 class CompletionRequest(_SamplingFields):
     """POST /v1/completions: raw prompts, no chat template."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: (
+        Annotated[str, Field(min_length=1)]
+        | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)]
+        | Annotated[list[TokenId], Field(min_length=1)]
+        | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
+    )
     # OpenAI's default for completions; 0 with `echo` scores the prompt only
     max_tokens: int | None = Field(16, ge=0)
     logprobs: int | None = Field(None, ge=0, le=20)
@@ -122,12 +163,26 @@ class ToolCallMessage(BaseModel):
 
 
 class ChatMessage(BaseModel):
+    """One message; `content` may be left out only by an assistant message with tool calls.
+    A `developer` message is a system message (OpenAI's newer name)."""
+
     model_config = ConfigDict(extra="ignore")
-    role: str = Field(..., min_length=1, max_length=64)
+    role: Literal[ROLES]
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCallMessage] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool message: the call it answers
+
+    @field_validator("role")
+    @classmethod
+    def _developer_is_system(cls, role: str) -> str:
+        return "system" if role == "developer" else role
+
+    @model_validator(mode="after")
+    def _has_content(self):
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a {self.role} message needs content")
+        return self
 
 
 class FunctionDefinition(BaseModel):
@@ -167,10 +222,9 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: bool = True
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(_Body):
     """POST /tokenize (vLLM): a prompt, or chat messages through the chat template."""
 
-    model_config = ConfigDict(extra="ignore")
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -195,11 +249,9 @@ class ChatCompletionRequestQos(ChatCompletionRequest):
     """POST /v1/chat/completions_qos (LMDeploy): a chat completion for a QoS user."""
 
 
-class InteractiveRequestQos(BaseModel):
+class InteractiveRequestQos(_Body):
     """POST /v1/chat/interactive_qos (LMDeploy): one turn of a chat session kept by the
     server under `session_id`; `interactive_mode=False` ends the session after this turn."""
-
-    model_config = ConfigDict(extra="ignore")
 
     prompt: str | list[ChatMessage]  # this turn's user text, or messages to append
     session_id: int = Field(-1, ge=-1, le=2**62)  # -1: a one-off turn without history

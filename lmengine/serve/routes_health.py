@@ -10,7 +10,7 @@ from fastapi.responses import PlainTextResponse
 
 from lmengine.serve.auth import api_key_check
 from lmengine.serve.client import EngineClient
-from lmengine.serve.errors import APIError
+from lmengine.serve.errors import APIError, error_responses
 
 ENGINE_TIMEOUT_S = 15.0  # a busy step may hold the loop; longer than that is a dead engine
 
@@ -20,17 +20,17 @@ def health_router(client: EngineClient) -> APIRouter:
     router = APIRouter(tags=["health"])
     engine = client.engine
 
-    @router.get("/health")
+    @router.get("/health", responses=error_responses(503))
     async def health():
         if not engine.is_alive:
             raise APIError(503, "the engine is not running", "service_unavailable")
         return {"status": "ok"}
 
-    @router.get("/ping")
+    @router.get("/ping", response_class=PlainTextResponse)
     async def ping():
         return PlainTextResponse("pong")
 
-    @router.get("/engine_check")
+    @router.get("/engine_check", responses=error_responses(503))
     async def engine_check():
         """The engine loop answers between steps (a round trip through its thread)."""
         try:
@@ -41,7 +41,12 @@ def health_router(client: EngineClient) -> APIRouter:
             raise APIError(503, f"engine check failed: {e}", "service_unavailable") from None
         return {"status": "ok", "engine": "alive"}
 
-    @router.get("/metrics", dependencies=[Depends(api_key_check(client.settings.api_keys))])
+    @router.get(
+        "/metrics",
+        dependencies=[Depends(api_key_check(client.settings.api_keys))],
+        response_class=PlainTextResponse,
+        responses=error_responses(401),
+    )
     async def metrics():
         stats: dict = {}
         if engine.is_alive:

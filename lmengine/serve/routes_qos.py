@@ -13,7 +13,7 @@ from lmengine.serve.chat import create_chat_completion
 from lmengine.serve.client import EngineClient
 from lmengine.serve.completions import create_completion
 from lmengine.serve.convert import interactive_gen_config, text_of
-from lmengine.serve.errors import APIError
+from lmengine.serve.errors import GENERATION_ERRORS, APIError
 from lmengine.serve.protocol import (
     ChatCompletionRequestQos,
     CompletionRequestQos,
@@ -32,15 +32,15 @@ def qos_router(client: EngineClient) -> APIRouter:
         tags=["qos"], dependencies=[Depends(api_key_check(client.settings.api_keys))]
     )
 
-    @router.post("/v1/completions_qos")
+    @router.post("/v1/completions_qos", responses=GENERATION_ERRORS)
     async def v1_completions_qos(body: CompletionRequestQos, request: Request):
         return await create_completion(client, body, request, "completions_qos")
 
-    @router.post("/v1/chat/completions_qos")
+    @router.post("/v1/chat/completions_qos", responses=GENERATION_ERRORS)
     async def v1_chat_completions_qos(body: ChatCompletionRequestQos, request: Request):
         return await create_chat_completion(client, body, request, "chat_completions_qos")
 
-    @router.post("/v1/chat/interactive_qos")
+    @router.post("/v1/chat/interactive_qos", responses=GENERATION_ERRORS)
     async def v1_chat_interactive_qos(body: InteractiveRequestQos, request: Request):
         """One turn of a chat session. NOTE: the server keeps each session's messages and
         sends the whole history every turn (with prefix caching the engine reuses its KV)."""
@@ -87,16 +87,15 @@ async def interactive_turn(
     else:
         turn = [{"role": m.role, "content": text_of(m)} for m in body.prompt]
     messages = session["messages"] + turn
-    ids = client.encode_chat(messages)
+    ids = await client.off_loop(client.encode_chat, messages)
     history_tokens = session["num_tokens"]
     max_tokens = min(body.request_output_len, max(1, client.session_len - len(ids)))
     cfg = interactive_gen_config(body, max_tokens)
     job = client.new_job("interactive_qos")
-    client.check_queue(1)
+    client.submit(job, [ids], [cfg], None, body.priority, body.user_id)
     if sid >= 0:
         session["job"] = job
         client.sessions[sid] = session
-    job.submit([ids], [cfg], None, body.priority, body.user_id)
 
     def result(resp: Response, text: str) -> dict:
         return {

@@ -9,7 +9,7 @@ from fastapi import APIRouter, Depends
 from lmengine.serve.auth import api_key_check
 from lmengine.serve.client import EngineClient
 from lmengine.serve.convert import text_of
-from lmengine.serve.errors import APIError
+from lmengine.serve.errors import APIError, error_responses
 from lmengine.serve.protocol import DetokenizeRequest, TokenizeRequest
 
 
@@ -22,17 +22,19 @@ def tokenizer_router(client: EngineClient) -> APIRouter:
     router = APIRouter(dependencies=[Depends(api_key_check(client.settings.api_keys))])
     tokenizer = client.tokenizer
 
-    @router.post("/tokenize")
+    @router.post("/tokenize", responses=error_responses(400, 401, 404, 413))
     async def tokenize(body: TokenizeRequest):
         client.adapter_for(body.model)  # 404 for an unknown model, as the other endpoints
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of `prompt` and `messages`", param="prompt")
         if body.messages is not None:
             messages = [{"role": m.role, "content": text_of(m)} for m in body.messages]
-            ids = client.encode_chat(messages, body.add_generation_prompt)
+            ids = await client.off_loop(client.encode_chat, messages, body.add_generation_prompt)
         else:
             try:
-                ids = tokenizer(body.prompt, add_special_tokens=body.add_special_tokens)
+                ids = await client.off_loop(
+                    tokenizer, body.prompt, add_special_tokens=body.add_special_tokens
+                )
             except Exception as e:  # text the tokenizer cannot take (lone surrogates)
                 raise APIError(
                     400, f"the prompt cannot be tokenized: {e}", param="prompt"
@@ -46,7 +48,7 @@ def tokenizer_router(client: EngineClient) -> APIRouter:
             "token_strs": strs,
         }
 
-    @router.post("/detokenize")
+    @router.post("/detokenize", responses=error_responses(400, 401, 404, 413))
     async def detokenize(body: DetokenizeRequest):
         client.adapter_for(body.model)
         vocab = client.engine.info.vocab_size
@@ -57,7 +59,7 @@ def tokenizer_router(client: EngineClient) -> APIRouter:
             )
         return {"prompt": tokenizer.decode(body.tokens)}
 
-    @router.get("/tokenizer_info")
+    @router.get("/tokenizer_info", responses=error_responses(401))
     async def tokenizer_info():
         template = client.settings.chat_template or getattr(tokenizer, "chat_template", None)
         return {

@@ -9,6 +9,7 @@ are cancelled, the engine is closed and the process exits 0.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
 import signal
@@ -62,6 +63,13 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
         "SmolLM2) or llama3_json (Llama 3.x) (default: hermes)",
     )
     g.add_argument(
+        "--max-body-mb",
+        type=float,
+        default=4.0,
+        help="request bodies larger than this many MiB are answered 413 before they are "
+        "parsed (default: 4; 0: no limit)",
+    )
+    g.add_argument(
         "--no-auto-tool-constraint",
         dest="auto_tool_constraint",
         action="store_false",
@@ -103,6 +111,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             template = f.read()
     if args.max_queued_requests < 0:
         raise ValueError(f"--max-queued-requests must be >= 0, got {args.max_queued_requests}")
+    if args.max_body_mb < 0:
+        raise ValueError(f"--max-body-mb must be >= 0, got {args.max_body_mb}")
     if args.request_timeout < 0:
         raise ValueError(f"--request-timeout must be >= 0, got {args.request_timeout}")
     settings = ServerSettings(
@@ -113,6 +123,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         chat_template=template,
         tool_call_parser=args.tool_call_parser,
         auto_tool_constraint=args.auto_tool_constraint,
+        max_body_bytes=int(args.max_body_mb * (1 << 20)),
         qos_enabled=engine_config.qos_config_path is not None,
     )
     with model_load_errors(model, engine_config):
@@ -128,6 +139,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     )
     server = _Server(config)
     app.state.client.is_shutting_down = lambda: server.should_exit
+    server.end_requests = app.state.client.end_requests
     logging.getLogger("lmengine").info("serving %s on %s:%d", model, args.host, args.port)
     print(
         f"lmengine serve: http://{args.host}:{args.port} (model {settings.model_name})", flush=True
@@ -143,6 +155,20 @@ def _make_server_class():
     class Server(uvicorn.Server):
         """uvicorn's server, except that SIGTERM ends the process with 0 after the graceful
         shutdown (uvicorn re-raises the signal, which would kill it with -15)."""
+
+        end_requests = staticmethod(lambda reason: None)  # the app's: ends every request
+
+        async def shutdown(self, sockets=None) -> None:
+            """uvicorn's graceful shutdown; shortly before the grace period ends (when uvicorn
+            would cancel the handlers and cut their streams) every request still running is
+            ended with a 503 error its client can read (an error event and [DONE] for a
+            stream)."""
+            grace = self.config.timeout_graceful_shutdown
+            if grace is not None:
+                margin = min(1.0, grace / 2)
+                loop = asyncio.get_running_loop()
+                loop.call_later(grace - margin, self.end_requests, "server shutdown")
+            await super().shutdown(sockets)
 
         def handle_exit(self, sig: int, frame) -> None:
             if sig == signal.SIGTERM:

@@ -20,3 +20,4 @@ class ServerSettings:
     tool_call_parser: str = "hermes"  # how tool calls are found in text (serve/tools.py)
     auto_tool_constraint: bool = True  # under tool_choice=auto, a call that starts parses
     qos_enabled: bool = False
+    max_body_bytes: int = 4 << 20  # larger request bodies are answered 413; 0: no limit
