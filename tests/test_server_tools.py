@@ -61,6 +61,17 @@ def client(tiny_llama_path):
         yield openai_client(url), url
 
 
+def weather_call(call_id: str, city: str, result: str) -> list[dict]:
+    """An assistant's get_weather call for `city` and the tool's `result`, as history."""
+    arguments = json.dumps({"city": city})
+    call = {"id": call_id, "type": "function",
+            "function": {"name": "get_weather", "arguments": arguments}}  # fmt: skip
+    return [
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": call_id, "content": result},
+    ]
+
+
 def check_calls(calls, max_calls: int | None = None, name: str | None = None) -> None:
     assert calls, "no tool call"
     if max_calls is not None:
@@ -149,21 +160,7 @@ def test_streamed_calls_reassemble_to_the_same_calls(client, tool_choice):
 
 def test_tool_results_in_the_history_and_auto_and_none(client):
     c, _ = client
-    history = [
-        *MESSAGES,
-        {
-            "role": "assistant",
-            "content": None,
-            "tool_calls": [
-                {
-                    "id": "call_1",
-                    "type": "function",
-                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
-                }
-            ],
-        },
-        {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21}'},
-    ]
+    history = [*MESSAGES, *weather_call("call_1", "Paris", '{"temperature": 21}')]
     for choice in ("auto", "none"):
         r = c.chat.completions.create(
             model="tiny", messages=history, tools=TOOLS, tool_choice=choice, max_tokens=8
@@ -334,18 +331,7 @@ WEATHER_TOOL = {
 }
 EARLIER_CALL = [  # one earlier exchange with the tool, as an agent's history has
     {"role": "user", "content": "What's the weather in Berlin?"},
-    {
-        "role": "assistant",
-        "content": None,
-        "tool_calls": [
-            {
-                "id": "call_0",
-                "type": "function",
-                "function": {"name": "get_weather", "arguments": '{"city": "Berlin"}'},
-            }
-        ],
-    },
-    {"role": "tool", "tool_call_id": "call_0", "content": '{"temperature": 12, "sky": "cloudy"}'},
+    *weather_call("call_0", "Berlin", '{"temperature": 12, "sky": "cloudy"}'),
     {"role": "assistant", "content": "It is 12 °C and cloudy in Berlin."},
 ]
 

@@ -58,8 +58,8 @@ class EngineClient:
 
     # ---- text -> token ids --------------------------------------------------------------------
     async def off_loop(self, fn: Callable, *args, **kwargs):
-        """`fn(*args, **kwargs)` in the tokenizing thread: templating and tokenizing a large request
-        never delay another request's tokens or /health."""
+        """`fn(*args, **kwargs)` in the tokenizing thread: templating and tokenizing a
+        large request never delay another request's tokens or /health."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._tokenizing, functools.partial(fn, *args, **kwargs))
 

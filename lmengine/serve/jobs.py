@@ -47,6 +47,11 @@ class ResponseRouter:
                 job.on_response(resp)
 
 
+def timed_out() -> APIError:
+    """The answer to a request that passed `--request-timeout`."""
+    return APIError(504, "request timed out", "timeout", "timeout")
+
+
 @dataclass
 class Choice:
     """One engine request of a job: its prompt, config and first and last responses.
@@ -192,7 +197,7 @@ class Job:
             await asyncio.wait_for(self.started.wait(), self.remaining())
         except TimeoutError:
             self.cancel("timeout")
-            raise APIError(504, "request timed out", "timeout", "timeout") from None
+            raise timed_out() from None
         for choice in self.choices:
             first = choice.first
             if first is not None and first.finish_reason == "error" and not first.token_ids:
@@ -205,7 +210,7 @@ class Job:
     def cancel_error(self) -> APIError | None:
         """The error a cancelled job answers with (None: a cancel the client asked for)."""
         if self.cancel_reason == "timeout":
-            return APIError(504, "request timed out", "timeout", "timeout")
+            return timed_out()
         if self.cancel_reason == "server shutdown":
             return APIError(
                 503, "the server shut down before the request finished", "service_unavailable"
@@ -222,7 +227,7 @@ class Job:
                 item = await asyncio.wait_for(self.queue.get(), self.remaining())
             except TimeoutError:
                 self.cancel("timeout")
-                raise APIError(504, "request timed out", "timeout", "timeout") from None
+                raise timed_out() from None
             if item is None:
                 err = self.cancel_error()
                 if err is not None:
