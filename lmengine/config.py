@@ -325,6 +325,11 @@ class GenerationConfig:
             raise ValueError(
                 "structured_outputs with ignore_eos=True: the output ends where the grammar does"
             )
+        if self.min_new_tokens:
+            raise ValueError(
+                f"structured_outputs with min_new_tokens={self.min_new_tokens}: the output ends "
+                "where the grammar does"
+            )
 
     def _check_research(self) -> None:
         """The shapes of the research fields; the model-dependent checks (layer range, vector

@@ -175,7 +175,7 @@ def test_tool_results_in_the_history_and_auto_and_none(client):
     [
         (dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}),
          "unknown function 'nope'"),
-        (dict(tool_choice="required"), "tool_choice needs tools"),
+        (dict(tool_choice="required"), "tool_choice 'required' needs tools"),
         (dict(tools=[{"type": "function", "function": BAD_FUNCTION}], tool_choice="required"),
          "does not compile"),
     ],

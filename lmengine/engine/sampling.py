@@ -179,7 +179,10 @@ class Sampler:
         errors = {}
         if has_processors:  # after the penalties, as transformers
             errors = apply_logits_processors(processed, seqs)
-        constrained = self.grammars.apply(processed, seqs) if is_constrained else []
+        constrained, dead_ends = (
+            self.grammars.apply(processed, seqs) if is_constrained else ([], {})
+        )
+        errors.update(dead_ends)
         tokens = greedy(processed)  # [num_samples]
         sample_rows = [i for i, c in enumerate(cfgs) if c.do_sample]
         if sample_rows:

@@ -107,6 +107,12 @@ class GrammarCompiler:
             ) from None
 
 
+DEAD_END = (
+    "structured output: no token of the model's vocabulary can continue the constraint "
+    "(it asks for text this tokenizer cannot write)"
+)
+
+
 class GrammarMasks:
     """One xgrammar matcher per constrained sequence (by seq_id), on the sampling side."""
 
@@ -124,19 +130,24 @@ class GrammarMasks:
             matcher = self._matchers[seq.seq_id] = xgr.GrammarMatcher(seq.grammar)
         return matcher
 
-    def apply(self, logits: torch.Tensor, seqs: Seq) -> list[int]:
+    def apply(self, logits: torch.Tensor, seqs: Seq) -> tuple[list[int], dict[int, str]]:
         """Mask, in place, the tokens each constrained row's grammar forbids next (logits
-        [rows, vocab], row i for seqs[i]); returns the constrained rows."""
+        [rows, vocab], row i for seqs[i]). Returns the rows whose matchers advance by the
+        chosen token, and row -> error for rows where no token of the vocabulary can
+        continue (a constraint this tokenizer cannot write, e.g. a regex with a character
+        it has no bytes for)."""
         import xgrammar as xgr
 
         rows = [i for i, s in enumerate(seqs) if getattr(s, "grammar", None) is not None]
         if not rows:
-            return rows
+            return rows, {}
         bitmask = xgr.allocate_token_bitmask(len(seqs), logits.shape[1])  # [rows, words] int32
         for i in rows:
             self._matcher(seqs[i]).fill_next_token_bitmask(bitmask, i)
         xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=rows)
-        return rows
+        dead = {i for i in rows if not bitmask[i].any()}
+        errors = dict.fromkeys(dead, DEAD_END)
+        return [i for i in rows if i not in dead], errors
 
     def apply_with_drafts(
         self, logits: torch.Tensor, seqs: Seq, first_rows: Seq[int], drafts: Seq[list[int]]

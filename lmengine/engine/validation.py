@@ -64,6 +64,11 @@ class RequestValidator:
                 f"prompt of {len(ids)} tokens leaves no room to generate within "
                 f"session_len={self.session_len}"
             )
+        outside = [t for t in cfg.stop_token_ids or [] if t >= self.vocab_size]
+        if outside:
+            raise RequestError(
+                f"stop token id {outside[0]} is outside the vocabulary [0, {self.vocab_size})"
+            )
         names = self.adapter_names()
         if req.adapter_name is not None and req.adapter_name not in names:
             loaded = ", ".join(sorted(names)) or "none"

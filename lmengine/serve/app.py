@@ -46,7 +46,7 @@ def build_app(engine, settings: ServerSettings) -> FastAPI:
         lifespan=lifespan,
     )
     app.state.client = client
-    app.openapi = lambda: _openapi(app)
+    app.openapi = lambda: _openapi(app, engine.info.vocab_size)
     install_error_handlers(app, client.metrics)
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes, metrics=client.metrics)
     # NOTE: this order is the order of the paths in the OpenAPI document
@@ -57,9 +57,9 @@ def build_app(engine, settings: ServerSettings) -> FastAPI:
     return app
 
 
-def _openapi(app: FastAPI) -> dict:
-    """FastAPI's OpenAPI document, without the 422 it lists for every body: this server
-    answers a body that does not validate with 400 (listed per route)."""
+def _openapi(app: FastAPI, vocab_size: int) -> dict:
+    """FastAPI's OpenAPI document, stating what this server does: no 422 (a body that does
+    not validate is a 400, listed per route), and token ids bounded by the served vocabulary."""
     if app.openapi_schema is None:
         from fastapi.openapi.utils import get_openapi
 
@@ -68,5 +68,18 @@ def _openapi(app: FastAPI) -> dict:
         for path in schema.get("paths", {}).values():
             for operation in path.values():
                 operation.get("responses", {}).pop("422", None)
+        _bound_token_ids(schema, vocab_size - 1)
         app.openapi_schema = schema
     return app.openapi_schema
+
+
+def _bound_token_ids(node, highest: int) -> None:
+    """Every token id of the document (marked x-token-id) bounded by `highest`."""
+    if isinstance(node, dict):
+        if node.pop("x-token-id", False):
+            node["maximum"] = highest
+        for child in node.values():
+            _bound_token_ids(child, highest)
+    elif isinstance(node, list):
+        for child in node:
+            _bound_token_ids(child, highest)

@@ -51,7 +51,11 @@ async def create_chat_completion(
     logprobs = num_top if body.logprobs else None
     configs = gen_configs(body, 1, max_tokens, logprobs, client.session_len, body.prompt_logprobs)
     settings = client.settings
-    auto_parser = settings.tool_call_parser if settings.auto_tool_constraint else None
+    # NOTE: beam search, ignore_eos and min_tokens take no constraint: under auto, their
+    # calls are parsed from free text
+    free = body.num_beams > 1 or body.ignore_eos or body.min_tokens > 0
+    constrain_auto = settings.auto_tool_constraint and not free
+    auto_parser = settings.tool_call_parser if constrain_auto else None
     constraint = tool_constraint(body, mode, name, auto_parser)
     if constraint is not None and configs[0].structured_outputs is not None:
         if mode != "auto":  # under auto, the client's own constraint wins

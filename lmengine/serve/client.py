@@ -5,7 +5,9 @@ admit a request (adapter lookup, queue limit, shutdown)."""
 from __future__ import annotations
 
 import asyncio
+import copy
 import functools
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -17,6 +19,8 @@ from lmengine.serve.jobs import Job, ResponseRouter
 from lmengine.serve.logprobs import TokenTexts
 from lmengine.serve.metrics import ServerMetrics
 from lmengine.serve.settings import ServerSettings
+
+NUM_TOKENIZING_THREADS = 2
 
 
 class EngineClient:
@@ -38,8 +42,12 @@ class EngineClient:
         self.created = int(time.time())
         self.is_shutting_down: Callable[[], bool] = lambda: False
         self.token_text = TokenTexts(self.tokenizer)
-        # NOTE: one thread: a fast tokenizer is not safe for concurrent encodes
-        self._tokenizing = ThreadPoolExecutor(1, thread_name_prefix="lmengine-tokenize")
+        # NOTE: each tokenizing thread has its own copy of the tokenizer (a fast tokenizer
+        # is not safe for concurrent use); two, so one large request does not hold up others
+        self._local = threading.local()
+        self._tokenizing = ThreadPoolExecutor(
+            NUM_TOKENIZING_THREADS, "lmengine-tokenize", initializer=self._own_tokenizer
+        )
 
     # ---- models -------------------------------------------------------------------------------
     def adapter_names(self) -> list[str]:
@@ -57,6 +65,13 @@ class EngineClient:
         )
 
     # ---- text -> token ids --------------------------------------------------------------------
+    def _own_tokenizer(self) -> None:
+        self._local.tokenizer = copy.deepcopy(self.tokenizer)
+
+    def local_tokenizer(self):
+        """The tokenizer of the calling tokenizing thread (the shared one elsewhere)."""
+        return getattr(self._local, "tokenizer", self.tokenizer)
+
     async def off_loop(self, fn: Callable, *args, **kwargs):
         """`fn(*args, **kwargs)` in the tokenizing thread: templating and tokenizing a
         large request never delay another request's tokens or /health."""
@@ -64,7 +79,7 @@ class EngineClient:
         return await loop.run_in_executor(self._tokenizing, functools.partial(fn, *args, **kwargs))
 
     def encode_text(self, text: str) -> list[int]:
-        return list(self.tokenizer(text)["input_ids"])
+        return list(self.local_tokenizer()(text)["input_ids"])
 
     def encode_chat(
         self, messages: list[dict], add_generation_prompt: bool = True, tools: list | None = None
@@ -73,7 +88,7 @@ class EngineClient:
         if template is None and getattr(self.tokenizer, "chat_template", None) is None:
             raise APIError(400, "this model has no chat template: use /v1/completions")
         try:
-            ids = self.tokenizer.apply_chat_template(
+            ids = self.local_tokenizer().apply_chat_template(
                 messages,
                 chat_template=template,
                 add_generation_prompt=add_generation_prompt,
@@ -114,7 +129,7 @@ class EngineClient:
         retries what can succeed."""
         for ids, cfg in zip(prompts, configs):
             wanted = len(ids) + cfg.max_new_tokens
-            if wanted > self.session_len and ids:
+            if ids and (wanted > self.session_len or len(ids) >= self.session_len):
                 raise APIError(
                     400,
                     f"this model's context is {self.session_len} tokens, the request needs "

@@ -34,8 +34,6 @@ async def create_completion(
 ) -> dict | StreamingResponse:
     """Validate, submit one engine request per prompt and choice, and answer."""
     adapter = client.adapter_for(body.model)
-    if body.best_of is not None and body.best_of != body.n:
-        raise APIError(400, "best_of must equal n (or be left out)", param="best_of")
     prompt = body.prompt
     if isinstance(prompt, str) or (prompt and all(isinstance(t, int) for t in prompt)):
         prompts = [prompt]

@@ -21,12 +21,11 @@ def text_of(message: ChatMessage) -> str:
 def stop_words(stop: str | list[str] | None) -> list[str] | None:
     """OpenAI's `stop` (a string or a list) as the engine's list; None when empty."""
     words = [stop] if isinstance(stop, str) else list(stop or [])
-    words = [w for w in words if w]
-    if len(words) > MAX_STOP_WORDS:
+    if len(words) > MAX_STOP_WORDS:  # NOTE: also checked by the request models
         raise APIError(
             400, f"at most {MAX_STOP_WORDS} stop strings, got {len(words)}", param="stop"
         )
-    return words or None
+    return [w for w in words if w] or None
 
 
 def structured_outputs(body) -> dict | None:
@@ -37,11 +36,7 @@ def structured_outputs(body) -> dict | None:
     if fmt is not None and fmt.type == "json_object":
         specs.append(("response_format", {"json_object": True}))
     elif fmt is not None and fmt.type == "json_schema":
-        schema = fmt.json_schema.schema_ if fmt.json_schema is not None else None
-        if schema is None:
-            raise APIError(400, "response_format json_schema needs json_schema.schema",
-                           param="response_format")  # fmt: skip
-        specs.append(("response_format", {"json": schema}))
+        specs.append(("response_format", {"json": fmt.json_schema.schema_}))
     for field, kind in (("guided_json", "json"), ("guided_regex", "regex"),
                         ("guided_choice", "choice"), ("guided_grammar", "grammar")):  # fmt: skip
         value = getattr(body, field)
@@ -71,6 +66,7 @@ def gen_configs(
             400,
             f"max_tokens={max_tokens} exceeds the model's context length of {session_len} tokens",
             param="max_tokens",
+            code="context_length_exceeded",
         )
     beam = {}
     if body.num_beams > 1:  # NOTE: one beam search per choice would repeat the same search
@@ -91,7 +87,10 @@ def gen_configs(
             try:
                 cfg = GenerationConfig(
                     max_new_tokens=session_len if max_tokens is None else max_tokens,
-                    min_new_tokens=body.min_tokens,
+                    # at least min_tokens, unless max_tokens ends the answer first
+                    min_new_tokens=min(
+                        body.min_tokens, session_len if max_tokens is None else max_tokens
+                    ),
                     do_sample=body.temperature > 0 and not beam,
                     temperature=body.temperature if body.temperature > 0 else 1.0,
                     top_k=max(body.top_k, 0),

@@ -51,7 +51,11 @@ ERROR_MEANINGS = {
     503: "the engine is not running, or the server is shutting down",
     504: "the request timed out (--request-timeout)",
 }
-GENERATION_ERRORS = error_responses(400, 401, 404, 413, 429, 499, 500, 503, 504)
+# a generation's answer: JSON, or server-sent events when streamed; and its errors
+GENERATION_RESPONSES = {
+    200: {"content": {"application/json": {}, "text/event-stream": {}}},
+    **error_responses(400, 401, 404, 413, 429, 499, 500, 503, 504),
+}
 
 
 class APIError(Exception):
@@ -92,6 +96,19 @@ def engine_error(message: str) -> APIError:
     if message.startswith(STEP_FAILED):
         return APIError(500, message, "server_error")
     return APIError(400, message)
+
+
+# failures while generating that the request itself caused (its constraint, its processors)
+REQUEST_FAULTS = ("structured output:", "logits processor")
+
+
+def generation_error(message: str) -> APIError:
+    """The HTTP error for a request that failed while generating: 400 when the request
+    caused it, else the engine's status (500 when the step failed)."""
+    if message.startswith(REQUEST_FAULTS):
+        return APIError(400, message)
+    err = engine_error(message)
+    return APIError(500, message, "server_error") if err.status == 400 else err
 
 
 def install_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:

@@ -10,12 +10,35 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_validator,
+)
 
 MAX_CHOICES = 64  # n (x prompts) per request
 MAX_STOP_WORDS = 16
-TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
-ROLES = ("system", "user", "assistant", "tool", "developer")  # OpenAI's message roles
+
+
+# NOTE: the OpenAPI document states the served vocabulary as the bound (x-token-id)
+TokenId = Annotated[int, Field(ge=0, le=2**31 - 1, json_schema_extra={"x-token-id": True})]
+NonEmpty = Annotated[str, Field(min_length=1)]
+StopStrings = str | Annotated[list[str], Field(max_length=MAX_STOP_WORDS)] | None
+Choices = Annotated[list[NonEmpty], Field(min_length=1)]
+
+
+def integral_floats_as_ints(value):
+    """JSON Schema counts 2.0 as an integer: the body with such floats as ints (the models
+    are strict otherwise: no "2" for 2, no true for 1)."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, dict):
+        return {k: integral_floats_as_ints(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [integral_floats_as_ints(v) for v in value]
+    return value
 
 
 def lone_surrogate(value, path: str = "") -> str | None:
@@ -44,7 +67,7 @@ def lone_surrogate(value, path: str = "") -> str | None:
 class _Body(BaseModel):
     """A request body: text in it must be Unicode (checked before the fields)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     @model_validator(mode="before")
     @classmethod
@@ -52,39 +75,129 @@ class _Body(BaseModel):
         where = lone_surrogate(data)
         if where is not None:
             raise ValueError(f"{where}: a lone surrogate is not valid Unicode text")
-        return data
+        return integral_floats_as_ints(data)
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     include_usage: bool = False  # a last chunk with `usage` and no choices
+
+
+def at_most_one(fields: dict[str, dict], exactly: bool = False) -> dict:
+    """JSON Schema for "at most (or exactly) one of `fields` is given": `fields` maps each
+    name to the schema its value matches when it counts as given (null never counts)."""
+
+    def given(name: str) -> dict:
+        return {"required": [name], "properties": {name: fields[name]}}
+
+    alternatives = [given(name) for name in fields]
+    if not exactly:  # none given
+        alternatives.append({"not": {"anyOf": alternatives[:]}})
+    return {"oneOf": alternatives}
+
+
+NOT_NULL = {"not": {"type": "null"}}
+# NOTE: above 2**53 a JSON number may be a float that rounds past the bound
+SAFE_INT = 2**53 - 1
 
 
 class StructuredOutputs(BaseModel):
     """vLLM's `structured_outputs` object: exactly one constraint."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(
+        extra="forbid",
+        strict=True,
+        json_schema_extra=at_most_one(
+            dict.fromkeys(("json", "json_object", "regex", "choice", "grammar",
+                           "structural_tag"), NOT_NULL), exactly=True),
+    )  # fmt: skip
     json_: dict | str | None = Field(None, alias="json")
-    json_object: bool | None = None
-    regex: str | None = None
-    choice: list[str] | None = None
-    grammar: str | None = None
-    structural_tag: dict | str | None = None  # xgrammar's structural tag
+    json_object: Literal[True] | None = None
+    regex: NonEmpty | None = None
+    choice: Choices | None = None
+    grammar: NonEmpty | None = None
+    structural_tag: Annotated[dict, Field(min_length=1)] | NonEmpty | None = None  # xgrammar
 
 
 class JSONSchemaFormat(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     name: str | None = None
-    schema_: dict | None = Field(None, alias="schema")
+    schema_: dict = Field(..., alias="schema")
     strict: bool | None = None
 
 
-class ResponseFormat(BaseModel):
-    """OpenAI's `response_format`: text, any JSON object, or a JSON schema."""
+class _Format(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
 
-    model_config = ConfigDict(extra="ignore")
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JSONSchemaFormat | None = None
+
+class TextFormat(_Format):
+    type: Literal["text"]
+
+
+class JSONObjectFormat(_Format):
+    type: Literal["json_object"]
+
+
+class JSONSchemaResponseFormat(_Format):
+    type: Literal["json_schema"]
+    json_schema: JSONSchemaFormat
+
+
+# OpenAI's `response_format`: text, any JSON object, or a JSON schema
+ResponseFormat = Annotated[
+    TextFormat | JSONObjectFormat | JSONSchemaResponseFormat, Field(discriminator="type")
+]
+
+
+CONSTRAINTS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
+               "structured_outputs")  # fmt: skip
+NULL = {"type": "null"}
+
+
+def request_rules(endpoint: str) -> dict:
+    """What a completions or chat request's fields ask of each other, as JSON Schema, so
+    that the OpenAPI document refuses what the server refuses:
+    - one output constraint at most (`response_format` text is none);
+    - beam search (`num_beams` > 1) with one choice, without stop strings, logprobs, prompt
+      logprobs, output constraints or `max_tokens=0`;
+    - no output constraint with `ignore_eos` or `min_tokens` (the output ends with it);
+    - chat: `tool_choice` "required" or a named function needs tools, and neither beams
+      nor another constraint."""
+    one_constraint = at_most_one({
+        "response_format": {"properties": {"type": {"enum": ["json_object", "json_schema"]}},
+                            "required": ["type"]},
+        **dict.fromkeys(CONSTRAINTS, NOT_NULL),
+    })  # fmt: skip
+    beams = {
+        "n": {"maximum": 1},
+        "stop": {"anyOf": [NULL, {"const": ""}, {"type": "array", "items": {"const": ""}}]},
+        "prompt_logprobs": NULL,
+        "max_tokens": {"anyOf": [NULL, {"minimum": 1}]},
+        "response_format": {"anyOf": [NULL, {"properties": {"type": {"const": "text"}}}]},
+        **dict.fromkeys(CONSTRAINTS, NULL),
+    }
+    forcing = {"not": {"enum": ["none", "auto", None]}}  # "required" or a named function
+    forces_a_call = {"required": ["tool_choice"], "properties": {"tool_choice": forcing}}
+    unconstrained = {
+        "response_format": beams["response_format"],
+        **dict.fromkeys(CONSTRAINTS, NULL),
+    }
+    rules = []
+    if endpoint == "completions":
+        beams["logprobs"] = NULL
+    else:  # a forced call is a constraint: tools, and no beams, no other constraint
+        beams["logprobs"] = {"anyOf": [NULL, {"const": False}]}
+        some_tools = {"tools": {"type": "array", "minItems": 1}}
+        forced = {**unconstrained, **some_tools, "num_beams": {"maximum": 1}}
+        rules.append({"if": forces_a_call, "then": {"required": ["tools"], "properties": forced}})
+    for field, value in (("ignore_eos", {"const": True}), ("min_tokens", {"minimum": 1})):
+        asks = {"required": [field], "properties": {field: value}}
+        rules.append({"if": asks, "then": {"properties": unconstrained}})
+        if endpoint == "chat":
+            rules.append({"if": asks, "then": {"not": forces_a_call}})
+    is_beam = {"required": ["num_beams"], "properties": {"num_beams": {"minimum": 2}}}
+    rules.append({"if": is_beam, "then": {"properties": beams}})
+    return {**one_constraint, "allOf": rules}
 
 
 class _SamplingFields(_Body):
@@ -95,8 +208,8 @@ class _SamplingFields(_Body):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)  # 0: greedy
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    stop: str | list[str] | None = Field(None)
-    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    stop: StopStrings = None
+    seed: int | None = Field(None, ge=0, le=SAFE_INT)
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
@@ -117,18 +230,22 @@ class _SamplingFields(_Body):
     # guided_* fields and its structured_outputs object; at most one of them
     response_format: ResponseFormat | None = None
     guided_json: dict | str | None = None
-    guided_regex: str | None = None
-    guided_choice: list[str] | None = None
-    guided_grammar: str | None = None
+    guided_regex: NonEmpty | None = None
+    guided_choice: Choices | None = None
+    guided_grammar: NonEmpty | None = None
     structured_outputs: StructuredOutputs | None = None
     # beam search (n must be 1; the choice is the best beam; temperature is not used)
     num_beams: int = Field(1, ge=1, le=MAX_CHOICES)
-    length_penalty: float = Field(1.0, ge=-100.0, le=100.0)
+    length_penalty: float = Field(1.0, ge=-20.0, le=20.0)
     early_stopping: bool | Literal["never"] = False
 
 
 class CompletionRequest(_SamplingFields):
     """POST /v1/completions: raw prompts, no chat template."""
+
+    model_config = ConfigDict(
+        extra="ignore", strict=True, json_schema_extra=request_rules("completions")
+    )
 
     prompt: (
         Annotated[str, Field(min_length=1)]
@@ -140,60 +257,90 @@ class CompletionRequest(_SamplingFields):
     max_tokens: int | None = Field(16, ge=0)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
-    best_of: int | None = Field(None, ge=1, le=MAX_CHOICES)  # only best_of == n is accepted
+    best_of: Literal[1] | None = None  # more candidates than choices: not supported
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     type: Literal["text"] = "text"
     text: str
 
 
 class FunctionCall(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     name: str
     arguments: str  # JSON text, as OpenAI sends it
 
 
 class ToolCallMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     id: str | None = None
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class ChatMessage(BaseModel):
-    """One message; `content` may be left out only by an assistant message with tool calls.
-    A `developer` message is a system message (OpenAI's newer name)."""
+Content = str | list[TextPart]
 
-    model_config = ConfigDict(extra="ignore")
-    role: Literal[ROLES]
-    content: str | list[TextPart] | None = None
+
+class _Message(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
     name: str | None = None
-    tool_calls: list[ToolCallMessage] | None = None  # an assistant's earlier calls
-    tool_call_id: str | None = None  # a tool message: the call it answers
 
-    @field_validator("role")
+    @field_validator("role", check_fields=False)
     @classmethod
     def _developer_is_system(cls, role: str) -> str:
-        return "system" if role == "developer" else role
+        return "system" if role == "developer" else role  # OpenAI's newer name
 
-    @model_validator(mode="after")
-    def _has_content(self):
-        if self.content is None and not (self.role == "assistant" and self.tool_calls):
-            raise ValueError(f"a {self.role} message needs content")
-        return self
+
+class SystemMessage(_Message):
+    role: Literal["system"]
+    content: Content
+
+
+class DeveloperMessage(_Message):
+    """A system message under OpenAI's newer name (its role reads "system" once parsed)."""
+
+    role: Literal["developer"]
+    content: Content
+
+
+class UserMessage(_Message):
+    role: Literal["user"]
+    content: Content
+
+
+class AssistantMessage(_Message):
+    """An earlier answer: text, tool calls, or both (neither reads as empty text)."""
+
+    role: Literal["assistant"]
+    content: Content | None = None
+    tool_calls: list[ToolCallMessage] | None = None
+
+
+class ToolMessage(_Message):
+    """A tool's result, answering the call `tool_call_id`."""
+
+    role: Literal["tool"]
+    content: Content
+    tool_call_id: str
+
+
+# one message of a conversation, by role (OpenAI's message types)
+ChatMessage = Annotated[
+    SystemMessage | DeveloperMessage | UserMessage | AssistantMessage | ToolMessage,
+    Field(discriminator="role"),
+]
 
 
 class FunctionDefinition(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     name: str = Field(..., min_length=1, max_length=64)
     description: str | None = None
     parameters: dict | None = None  # a JSON schema
 
 
 class Tool(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     type: Literal["function"] = "function"
     function: FunctionDefinition
 
@@ -203,13 +350,15 @@ class NamedFunction(BaseModel):
 
 
 class NamedToolChoice(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     type: Literal["function"] = "function"
     function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingFields):
     """POST /v1/chat/completions: messages through the chat template."""
+
+    model_config = ConfigDict(extra="ignore", strict=True, json_schema_extra=request_rules("chat"))
 
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)  # newer name of max_tokens
@@ -222,21 +371,33 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: bool = True
 
 
-class TokenizeRequest(_Body):
-    """POST /tokenize (vLLM): a prompt, or chat messages through the chat template."""
+class TokenizePromptRequest(_Body):
+    """POST /tokenize (vLLM) with a prompt."""
 
+    model_config = ConfigDict(extra="forbid", strict=True)
     model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True  # prompt only
-    add_generation_prompt: bool = True  # messages only
+    prompt: str
+    add_special_tokens: bool = True
     return_token_strs: bool = False
 
 
-class DetokenizeRequest(BaseModel):
+class TokenizeChatRequest(_Body):
+    """POST /tokenize (vLLM) with chat messages, through the chat template."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: str | None = None
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+# a prompt or messages, not both (vLLM's two request types)
+TokenizeRequest = TokenizePromptRequest | TokenizeChatRequest
+
+
+class DetokenizeRequest(_Body):
     """POST /detokenize (vLLM): token ids back to text."""
 
-    model_config = ConfigDict(extra="ignore")
     model: str | None = None
     tokens: list[TokenId]
 
@@ -253,8 +414,9 @@ class InteractiveRequestQos(_Body):
     """POST /v1/chat/interactive_qos (LMDeploy): one turn of a chat session kept by the
     server under `session_id`; `interactive_mode=False` ends the session after this turn."""
 
-    prompt: str | list[ChatMessage]  # this turn's user text, or messages to append
-    session_id: int = Field(-1, ge=-1, le=2**62)  # -1: a one-off turn without history
+    # this turn's user text, or messages to append
+    prompt: str | Annotated[list[ChatMessage], Field(min_length=1)]
+    session_id: int = Field(-1, ge=-1, le=SAFE_INT)  # -1: a one-off turn without history
     interactive_mode: bool = False
     cancel: bool = False  # stop the session's running turn and end the session
     stream: bool = False
@@ -264,7 +426,7 @@ class InteractiveRequestQos(_Body):
     top_k: int = Field(40, ge=-1)
     repetition_penalty: float = Field(1.0, gt=0.0, le=100.0)
     ignore_eos: bool = False
-    seed: int | None = Field(None, ge=0, le=2**63 - 1)
-    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=0, le=SAFE_INT)
+    stop: StopStrings = None
     user_id: str | None = Field(None, max_length=256)
     priority: int | None = Field(None, ge=-(2**31), le=2**31 - 1)

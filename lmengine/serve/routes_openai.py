@@ -8,7 +8,7 @@ from lmengine.serve.auth import api_key_check
 from lmengine.serve.chat import create_chat_completion
 from lmengine.serve.client import EngineClient
 from lmengine.serve.completions import create_completion
-from lmengine.serve.errors import GENERATION_ERRORS, error_responses
+from lmengine.serve.errors import GENERATION_RESPONSES, error_responses
 from lmengine.serve.protocol import ChatCompletionRequest, CompletionRequest
 
 
@@ -35,11 +35,11 @@ def openai_router(client: EngineClient) -> APIRouter:
         ]
         return {"object": "list", "data": [base, *adapters]}
 
-    @router.post("/v1/completions", responses=GENERATION_ERRORS)
+    @router.post("/v1/completions", responses=GENERATION_RESPONSES)
     async def v1_completions(body: CompletionRequest, request: Request):
         return await create_completion(client, body, request, "completions")
 
-    @router.post("/v1/chat/completions", responses=GENERATION_ERRORS)
+    @router.post("/v1/chat/completions", responses=GENERATION_RESPONSES)
     async def v1_chat_completions(body: ChatCompletionRequest, request: Request):
         return await create_chat_completion(client, body, request, "chat_completions")
 

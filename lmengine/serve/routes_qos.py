@@ -13,7 +13,7 @@ from lmengine.serve.chat import create_chat_completion
 from lmengine.serve.client import EngineClient
 from lmengine.serve.completions import create_completion
 from lmengine.serve.convert import interactive_gen_config, text_of
-from lmengine.serve.errors import GENERATION_ERRORS, APIError
+from lmengine.serve.errors import GENERATION_RESPONSES, APIError
 from lmengine.serve.protocol import (
     ChatCompletionRequestQos,
     CompletionRequestQos,
@@ -32,21 +32,28 @@ def qos_router(client: EngineClient) -> APIRouter:
         tags=["qos"], dependencies=[Depends(api_key_check(client.settings.api_keys))]
     )
 
-    @router.post("/v1/completions_qos", responses=GENERATION_ERRORS)
+    @router.post("/v1/completions_qos", responses=GENERATION_RESPONSES)
     async def v1_completions_qos(body: CompletionRequestQos, request: Request):
         return await create_completion(client, body, request, "completions_qos")
 
-    @router.post("/v1/chat/completions_qos", responses=GENERATION_ERRORS)
+    @router.post("/v1/chat/completions_qos", responses=GENERATION_RESPONSES)
     async def v1_chat_completions_qos(body: ChatCompletionRequestQos, request: Request):
         return await create_chat_completion(client, body, request, "chat_completions_qos")
 
-    @router.post("/v1/chat/interactive_qos", responses=GENERATION_ERRORS)
+    @router.post("/v1/chat/interactive_qos", responses=INTERACTIVE_RESPONSES)
     async def v1_chat_interactive_qos(body: InteractiveRequestQos, request: Request):
         """One turn of a chat session. NOTE: the server keeps each session's messages and
         sends the whole history every turn (with prefix caching the engine reuses its KV)."""
         return await interactive_turn(client, body, request)
 
     return router
+
+
+# a turn's answer: JSON, or newline-delimited JSON when streamed (LMDeploy's format)
+INTERACTIVE_RESPONSES = {
+    **GENERATION_RESPONSES,
+    200: {"content": {"application/json": {}, "application/x-ndjson": {}}},
+}
 
 
 def _qos_off_router() -> APIRouter:

@@ -8,9 +8,9 @@ from fastapi import APIRouter, Depends
 
 from lmengine.serve.auth import api_key_check
 from lmengine.serve.client import EngineClient
-from lmengine.serve.convert import text_of
 from lmengine.serve.errors import APIError, error_responses
-from lmengine.serve.protocol import DetokenizeRequest, TokenizeRequest
+from lmengine.serve.protocol import DetokenizeRequest, TokenizeChatRequest, TokenizeRequest
+from lmengine.serve.tools import chat_messages, template_takes_tools
 
 
 def _token_str(token) -> str | None:
@@ -25,21 +25,17 @@ def tokenizer_router(client: EngineClient) -> APIRouter:
     @router.post("/tokenize", responses=error_responses(400, 401, 404, 413))
     async def tokenize(body: TokenizeRequest):
         client.adapter_for(body.model)  # 404 for an unknown model, as the other endpoints
-        if (body.prompt is None) == (body.messages is None):
-            raise APIError(400, "give exactly one of `prompt` and `messages`", param="prompt")
-        if body.messages is not None:
-            messages = [{"role": m.role, "content": text_of(m)} for m in body.messages]
+        if isinstance(body, TokenizeChatRequest):  # the same messages as a chat request's
+            native = template_takes_tools(tokenizer, client.settings.chat_template)
+            messages = chat_messages(body.messages, native)
             ids = await client.off_loop(client.encode_chat, messages, body.add_generation_prompt)
         else:
-            try:
-                ids = await client.off_loop(
-                    tokenizer, body.prompt, add_special_tokens=body.add_special_tokens
-                )
-            except Exception as e:  # text the tokenizer cannot take (lone surrogates)
-                raise APIError(
-                    400, f"the prompt cannot be tokenized: {e}", param="prompt"
-                ) from None
-            ids = list(ids["input_ids"])
+            ids = await client.off_loop(
+                lambda: client.local_tokenizer()(
+                    body.prompt, add_special_tokens=body.add_special_tokens
+                )["input_ids"]
+            )
+            ids = list(ids)
         strs = tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
         return {
             "count": len(ids),

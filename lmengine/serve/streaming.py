@@ -21,7 +21,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from lmengine.engine.request import Response
-from lmengine.serve.errors import APIError, engine_error
+from lmengine.serve.errors import APIError, generation_error
 from lmengine.serve.jobs import Job
 
 FINISH_REASONS = {"stop": "stop", "length": "length", "cancel": "abort", "error": "error"}
@@ -68,10 +68,7 @@ async def run_job(
                 pass
             failed = [c.final for c in job.choices if c.final.finish_reason == "error"]
             if failed:  # failed while generating (the engine died or closed)
-                err = engine_error(failed[0].error or "generation failed")
-                if err.status == 400:
-                    err = APIError(500, err.message, "server_error")
-                raise err
+                raise generation_error(failed[0].error or "generation failed")
             return whole()
     except BaseException:
         job.cancel("failed")
@@ -142,7 +139,7 @@ async def stream_choices(
         delta, start = text[sent_text[i] :], sent_tokens[i]
         sent_text[i], sent_tokens[i] = len(text), len(resp.token_ids)
         if resp.finish_reason == "error":
-            yield SSE.event(APIError(500, resp.error or "generation failed", "server_error").body())
+            yield SSE.event(generation_error(resp.error or "generation failed").body())
             continue
         chunk = make_chunk(i, resp, delta, start)
         if chunk is not None:

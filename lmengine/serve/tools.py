@@ -200,8 +200,8 @@ def tool_choice_mode(body) -> tuple[str, str | None]:
     """(mode, function name): mode is "none", "auto", "required" or "named"."""
     choice = body.tool_choice
     if not body.tools:
-        if choice not in (None, "none"):
-            raise APIError(400, "tool_choice needs tools", param="tool_choice")
+        if choice not in (None, "none", "auto"):
+            raise APIError(400, f"tool_choice {choice!r} needs tools", param="tool_choice")
         return "none", None
     if choice is None or choice == "auto":
         return "auto", None
@@ -260,15 +260,14 @@ def tools_system_prompt(tools: list[dict]) -> str:
 
 
 def _calls_of_message(message) -> list[dict]:
-    """An assistant message's `tool_calls` as {"name", "arguments": object}."""
+    """An assistant message's `tool_calls` as {"name", "arguments": object} (arguments that
+    are not JSON stay the text they are)."""
     calls = []
     for c in message.tool_calls:
         try:
             args = json.loads(c.function.arguments)
         except json.JSONDecodeError:
-            raise APIError(
-                400, "a tool call's arguments in the history are not JSON", param="messages"
-            ) from None
+            args = c.function.arguments
         calls.append({"name": c.function.name, "arguments": args})
     return calls
 
