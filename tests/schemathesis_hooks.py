@@ -29,13 +29,15 @@ def before_call(context, case, kwargs) -> None:
 # What no schema can state, and the server refuses with a 400 saying so: a prompt longer than
 # the context in tokens, a JSON schema, regex or grammar that does not compile or that asks
 # for text the tokenizer cannot write, a named tool_choice that is none of the tools, a prompt
-# the tokenizer turns into no tokens.
+# the tokenizer turns into no tokens, more prompts x n than one request may ask for (a product
+# of two fields).
 SEMANTIC_REFUSALS = (
     "context_length_exceeded",
     "empty prompt",
     "does not compile",
     "no token of the model",
     "names an unknown function",
+    "prompts x n per request",
 )
 
 
