@@ -91,10 +91,11 @@ def test_bodies_over_the_limit_are_413_before_parsing(app):
 @pytest.mark.parametrize(
     "messages, message",
     [
-        ([{"role": "wizard", "content": "hi"}], "Input tag 'wizard' found using 'role'"),
-        ([{"role": "user"}], "messages.0.user.content: Field required"),
-        ([{"role": "tool", "content": "1"}], "messages.0.tool.tool_call_id: Field required"),
-        ([{"role": "user", "content": 5}], "messages.0.user.content"),
+        ([{"role": "wizard", "content": "hi"}], "messages.0: a message is an object whose role"),
+        (["hi"], "messages.0: a message is an object whose role is one of system, developer"),
+        ([{"role": "user"}], "messages.0.content: Field required"),
+        ([{"role": "tool", "content": "1"}], "messages.0.tool_call_id: Field required"),
+        ([{"role": "user", "content": 5}], "messages.0.content"),
         ([{"role": "user", "content": "a"}], None),  # with n as a string, below
     ],
 )

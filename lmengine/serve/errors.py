@@ -17,6 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lmengine.engine.request import STEP_FAILED
 from lmengine.serve.metrics import ServerMetrics
+from lmengine.serve.protocol import UNION_TAGS
 
 logger = logging.getLogger("lmengine.serve")
 
@@ -127,7 +128,7 @@ def install_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
         problems = []
         param = None
         for e in err.errors()[:3]:
-            loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+            loc = [str(x) for x in e.get("loc", ()) if x != "body" and x not in UNION_TAGS]
             param = param or (".".join(loc) or None)
             message = str(e.get("msg", "")).removeprefix("Value error, ")
             problems.append(f"{'.'.join(loc) or 'body'}: {message}")

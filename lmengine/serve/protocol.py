@@ -13,7 +13,9 @@ from typing import Annotated, Literal
 from pydantic import (
     BaseModel,
     ConfigDict,
+    Discriminator,
     Field,
+    Tag,
     field_validator,
     model_validator,
 )
@@ -325,10 +327,38 @@ class ToolMessage(_Message):
     tool_call_id: str
 
 
+MESSAGE_TYPES = {
+    "system": SystemMessage,
+    "developer": DeveloperMessage,
+    "user": UserMessage,
+    "assistant": AssistantMessage,
+    "tool": ToolMessage,
+}
+# NOTE: a union's tag shows in the location of an error inside it; these tags hold a space, so
+# that no field name is one, and the error answer leaves them out (messages.0.content)
+UNION_TAGS = frozenset(
+    [f"{role} message" for role in MESSAGE_TYPES] + ["prompt body", "messages body"]
+)
+
+
+def _message_kind(message) -> str | None:
+    role = message.get("role") if isinstance(message, dict) else getattr(message, "role", None)
+    return f"{role} message" if isinstance(role, str) and role in MESSAGE_TYPES else None
+
+
 # one message of a conversation, by role (OpenAI's message types)
 ChatMessage = Annotated[
-    SystemMessage | DeveloperMessage | UserMessage | AssistantMessage | ToolMessage,
-    Field(discriminator="role"),
+    Annotated[SystemMessage, Tag("system message")]
+    | Annotated[DeveloperMessage, Tag("developer message")]
+    | Annotated[UserMessage, Tag("user message")]
+    | Annotated[AssistantMessage, Tag("assistant message")]
+    | Annotated[ToolMessage, Tag("tool message")],
+    Discriminator(
+        _message_kind,
+        custom_error_type="role",
+        custom_error_message="a message is an object whose role is one of "
+        + ", ".join(MESSAGE_TYPES),
+    ),
 ]
 
 
@@ -391,8 +421,26 @@ class TokenizeChatRequest(_Body):
     return_token_strs: bool = False
 
 
+def _tokenize_kind(body) -> str | None:
+    """Which of /tokenize's two bodies `body` is (its tag), or None for both or neither
+    (refused with one message instead of each model's errors)."""
+    if isinstance(body, BaseModel):
+        return "messages body" if isinstance(body, TokenizeChatRequest) else "prompt body"
+    if not isinstance(body, dict) or ("prompt" in body) == ("messages" in body):
+        return None
+    return "prompt body" if "prompt" in body else "messages body"
+
+
 # a prompt or messages, not both (vLLM's two request types)
-TokenizeRequest = TokenizePromptRequest | TokenizeChatRequest
+TokenizeRequest = Annotated[
+    Annotated[TokenizePromptRequest, Tag("prompt body")]
+    | Annotated[TokenizeChatRequest, Tag("messages body")],
+    Discriminator(
+        _tokenize_kind,
+        custom_error_type="prompt_or_messages",
+        custom_error_message="give exactly one of prompt or messages",
+    ),
+]
 
 
 class DetokenizeRequest(_Body):
