@@ -150,6 +150,8 @@ class EngineConfig:
     adapters: dict[str, str] | None = None  # adapter name -> peft folder
     max_lora_slots: int = 8  # LoRA pool size, in adapters of max_lora_rank on every linear
     max_lora_rank: int = 0  # 0 = the largest rank among `adapters` (16 when there are none)
+    # NOTE: the least recently used host copies beyond it are read again from their folder
+    max_cpu_loras: int | None = None  # adapters kept in host memory; None = all
     quant_policy: str | None = None  # "w8a8": int8 weights+activations (float ckpt: no smoothing)
     enable_prefix_caching: bool = False
     kv_cache_dtype: str = "auto"  # "auto": K/V in the model dtype; "int8": int8 + per-token scales
@@ -179,6 +181,8 @@ class EngineConfig:
         if self.qos_config_path is not None and not isinstance(self.qos_config_path, str):
             raise ValueError(f"qos_config_path must be a path, got {self.qos_config_path!r}")
         _check_int("max_lora_slots", self.max_lora_slots, 1)
+        if self.max_cpu_loras is not None:
+            _check_int("max_cpu_loras", self.max_cpu_loras, 1)
         _check_choice("quant_policy", self.quant_policy, QUANT_POLICIES)
         _check_int("num_threads", self.num_threads, 0)
         _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)

@@ -30,7 +30,7 @@ def before_call(context, case, kwargs) -> None:
 # the context in tokens, a JSON schema, regex or grammar that does not compile or that asks
 # for text the tokenizer cannot write, a named tool_choice that is none of the tools, a prompt
 # the tokenizer turns into no tokens, more prompts x n than one request may ask for (a product
-# of two fields).
+# of two fields), a LoRA folder that cannot be loaded or a name already taken.
 SEMANTIC_REFUSALS = (
     "context_length_exceeded",
     "empty prompt",
@@ -38,6 +38,8 @@ SEMANTIC_REFUSALS = (
     "no token of the model",
     "names an unknown function",
     "prompts x n per request",
+    "cannot load the adapter",
+    "is the served model's name",
 )
 
 

@@ -16,6 +16,7 @@ from lmengine.models import MODULE_MAP, patch, supported_architectures
         (dict(cache_max_entry_count=1.5), "cache_max_entry_count"),
         (dict(max_batch_size="8"), "max_batch_size must be an integer"),
         (dict(quant_policy="int4"), "quant_policy"),
+        (dict(max_cpu_loras=0), "max_cpu_loras must be >= 1, got 0"),
     ],
 )
 def test_engine_config_errors_name_the_value(kwargs, needle):

@@ -92,13 +92,23 @@ def peft_greedy(base_path, adapter_paths, prompts, adapters, max_new_tokens=MAX_
 GEN = GenerationConfig(max_new_tokens=MAX_NEW, ignore_eos=True)
 
 
-def test_mixed_batch_more_adapters_than_slots_equals_peft(tiny_llama_path, adapter_paths):
+@pytest.mark.parametrize("max_cpu_loras", [None, 1])
+def test_mixed_batch_more_adapters_than_slots_equals_peft(
+    tiny_llama_path, adapter_paths, max_cpu_loras
+):
     names = ["qv4", "all8rs", None, "ko16", "all8rs", "qv4", None, "ko16", "ko16", "all8rs"]
     engine = Engine.from_pretrained(
         tiny_llama_path,
         # one slot of rank 16: o_proj holds 16 pages, all8rs needs 8 and ko16 16, so they
-        # cannot be resident together: adapters are evicted and loaded again mid-run
-        EngineConfig(adapters=adapter_paths, max_lora_slots=1, num_gpu_blocks=64, block_size=4),
+        # cannot be resident together: adapters are evicted and loaded again mid-run (and
+        # with one host copy, read again from their folders)
+        EngineConfig(
+            adapters=adapter_paths,
+            max_lora_slots=1,
+            max_cpu_loras=max_cpu_loras,
+            num_gpu_blocks=64,
+            block_size=4,
+        ),
     )
     try:
         vocab = engine.info.vocab_size
@@ -115,6 +125,10 @@ def test_mixed_batch_more_adapters_than_slots_equals_peft(tiny_llama_path, adapt
         assert [o.token_ids for o in outs] == expected
         stats = engine.stats()
         assert stats["num_adapter_evictions"] > 0 and stats["num_adapter_loads"] > 3
+        if max_cpu_loras is None:
+            assert stats["num_adapter_host_reads"] == 0 and stats["num_host_adapters"] == 3
+        else:  # every load after the first of each adapter read its folder again
+            assert stats["num_adapter_host_reads"] > 0 and stats["num_host_adapters"] == 1
         assert stats["num_active_adapters"] == 0
         assert stats["num_free_blocks"] == stats["num_total_blocks"]
         engine.check_integrity()

@@ -161,6 +161,7 @@ def server(tiny_llama_path, tmp_path_factory):
         "--max-batch-size", "64",
         "--num-gpu-blocks", "512",
         "--qos-config-path", str(qos),
+        "--enable-lora-updates",  # so that the schema fuzzing reaches the adapter endpoints
     ) as url:  # fmt: skip
         yield url
 
@@ -492,7 +493,7 @@ def test_openapi_schema_fuzz_finds_no_5xx_and_no_nonconformance(server):
     request accepted, no valid one refused except for what no schema can state (see
     tests/schemathesis_hooks.py, which also bounds the work a valid request asks for)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "SCHEMATHESIS_HOOKS": "tests.schemathesis_hooks"}
-    assert len(httpx.get(server + "/openapi.json").json()["paths"]) >= 13
+    assert len(httpx.get(server + "/openapi.json").json()["paths"]) >= 15
     # NOTE: no --max-time: with it, schemathesis repeats fuzzing until the time is spent
     cmd = [
         str(Path(sys.executable).with_name("st")), "run", server + "/openapi.json",
@@ -504,7 +505,11 @@ def test_openapi_schema_fuzz_finds_no_5xx_and_no_nonconformance(server):
     ]  # fmt: skip
     run = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
-    assert "No issues found" in run.stdout, run.stdout[-3000:]
+    # NOTE: no issue; warnings only that the adapter endpoints refuse most bodies (no folder
+    # of the fuzzer's names exists, none of its names is loaded)
+    assert re.search(r"(No issues found|\d+ warnings?) in ", run.stdout), run.stdout[-3000:]
+    warned = set(re.findall(r"^  - (\w+ \S+)$", run.stdout, re.MULTILINE))
+    assert warned <= {"POST /v1/load_lora_adapter", "POST /v1/unload_lora_adapter"}, warned
     found = re.search(r"(\d+) generated, \1 passed", run.stdout)
     assert found and int(found.group(1)) > 2000, run.stdout[-2000:]
     m = wait_idle(server, timeout=60)

@@ -84,10 +84,14 @@ class TPLoRAPool(LoRAPool):
         """Read and check the whole adapter against the whole model; keep this rank's shard."""
         return shard_adapter(read_peft_adapter(path, self.full_targets, self.dtype), self.targets)
 
-    def enable(self, max_lora_slots: int, max_lora_rank: int) -> dict[str, int]:
-        capacity = super().enable(max_lora_slots, max_lora_rank)
+    def enable(
+        self, max_lora_slots: int, max_lora_rank: int, max_cpu_loras: int | None = None
+    ) -> dict[str, int]:
+        capacity = super().enable(max_lora_slots, max_lora_rank, max_cpu_loras)
         if self.send is not None:
-            self.send(dict(op="enable", slots=max_lora_slots, rank=max_lora_rank))
+            self.send(
+                dict(op="enable", slots=max_lora_slots, rank=max_lora_rank, cpu=max_cpu_loras)
+            )
         return capacity
 
     def store(self, adapter_id: int, weights: AdapterWeights) -> None:
@@ -98,7 +102,7 @@ class TPLoRAPool(LoRAPool):
     def control(self, message: dict) -> None:
         """Workers: do what rank 0's pool did."""
         if message["op"] == "enable":
-            super().enable(message["slots"], message["rank"])
+            super().enable(message["slots"], message["rank"], message["cpu"])
         elif message["op"] == "store":
             super().store(message["adapter_id"], self.read(message["path"]))
         else:

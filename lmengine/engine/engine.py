@@ -30,7 +30,7 @@ import torch
 from lmengine.config import EngineConfig
 from lmengine.engine.beam import BeamSearch
 from lmengine.engine.loader import load_model_and_tokenizer
-from lmengine.engine.lora_pool import DEFAULT_MAX_LORA_RANK
+from lmengine.engine.lora_pool import DEFAULT_MAX_LORA_RANK, AdapterWeights
 from lmengine.engine.model_agent import ModelAgent
 from lmengine.engine.outputs import OutputProcessor
 from lmengine.engine.request import (
@@ -157,7 +157,8 @@ class Engine:
         )
         self._adapter_names: frozenset[str] = frozenset()  # read by the validator, any thread
         if cfg.adapters:
-            self._enable_lora(cfg.adapters)
+            pool = self.model_agent.lora
+            self._enable_lora({name: pool.read(path) for name, path in cfg.adapters.items()})
         self.validator = RequestValidator(
             vocab_size=self.info.vocab_size,
             session_len=self.session_len,
@@ -271,11 +272,16 @@ class Engine:
 
     def stats(self) -> dict:
         """Scheduler counters (see `Scheduler.stats`): queue lengths incl. `num_swapped`, free
-        blocks of both pools, preemptions, per-group QoS counters under "qos", and with
-        speculative decoding the acceptance counters under "speculative"."""
+        blocks of both pools, preemptions, per-group QoS counters under "qos", `max_lora_slots`
+        and, once an adapter is loaded, the LoRA pool's counters, and with speculative decoding the
+        acceptance counters under "speculative"."""
 
         def collect() -> dict:
             stats = self.scheduler.stats()
+            stats["max_lora_slots"] = self.engine_config.max_lora_slots
+            if self.scheduler.adapter_manager is not None:
+                stats["num_adapter_host_reads"] = self.model_agent.lora.num_reads
+                stats["num_host_adapters"] = len(self.model_agent.lora.host)
             speculative = self.model_agent.speculative_stats()
             if speculative is not None:
                 stats["speculative"] = speculative
@@ -285,9 +291,11 @@ class Engine:
 
     # ---- LoRA adapters ------------------------------------------------------------------------
     def add_adapter(self, name: str, path: str) -> None:
-        """Load the peft LoRA folder `path` as adapter `name`, between two steps. Raises
-        ValueError when the name is taken or the adapter does not fit the base model."""
-        self.call(lambda: self._add_adapters({name: path}), timeout=None)
+        """Load the peft LoRA folder `path` as adapter `name`: read and checked in the calling
+        thread, registered between two steps. Raises ValueError when the name is taken or
+        the adapter does not fit the base model or the LoRA pool."""
+        weights = self.model_agent.lora.read(path)  # NOTE: the steps go on meanwhile
+        self.call(lambda: self._add_adapters({name: weights}), timeout=None)
 
     def remove_adapter(self, name: str) -> None:
         """Forget adapter `name`: new requests for it fail; running ones finish with it."""
@@ -297,26 +305,24 @@ class Engine:
     def adapter_names(self) -> list[str]:
         return sorted(self._adapter_names)
 
-    def _enable_lora(self, adapters: dict[str, str]) -> None:
+    def _enable_lora(self, weights: dict[str, AdapterWeights]) -> None:
         cfg = self.engine_config
         if cfg.quant_policy is not None:
             raise ValueError(
                 f"LoRA adapters are not supported together with quant_policy={cfg.quant_policy!r}"
             )
-        pool = self.model_agent.lora
-        weights = {name: pool.read(path) for name, path in adapters.items()}
         # NOTE: sized for the configured adapters; for one added later, leave room for others
         ranks = [w.max_rank for w in weights.values()]
         rank = cfg.max_lora_rank or max(ranks if cfg.adapters else [*ranks, DEFAULT_MAX_LORA_RANK])
-        self.scheduler.adapter_manager = AdapterManager(pool.enable(cfg.max_lora_slots, rank))
+        capacity = self.model_agent.lora.enable(cfg.max_lora_slots, rank, cfg.max_cpu_loras)
+        self.scheduler.adapter_manager = AdapterManager(capacity)
         self._register_adapters(weights)
 
-    def _add_adapters(self, adapters: dict[str, str]) -> None:
+    def _add_adapters(self, weights: dict[str, AdapterWeights]) -> None:
         if self.scheduler.adapter_manager is None:
-            self._enable_lora(adapters)
-            return
-        pool = self.model_agent.lora
-        self._register_adapters({name: pool.read(path) for name, path in adapters.items()})
+            self._enable_lora(weights)
+        else:
+            self._register_adapters(weights)
 
     def _register_adapters(self, weights: dict) -> None:
         manager = self.scheduler.adapter_manager

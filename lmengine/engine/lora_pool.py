@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -154,10 +155,12 @@ def _load_tensors(folder: Path) -> dict[str, torch.Tensor]:
 
 
 class LoRAPool:
-    """Host copies of every adapter and the device pages of every LoRA-able linear.
+    """Host copies of adapters and the device pages of every LoRA-able linear.
 
     Does what a SchedulerOutput's AdapterPlan says (load into pages, drop host copies) and
-    builds each step's `LoRAStep`; never decides residency.
+    builds each step's `LoRAStep`; never decides residency. With `max_cpu_loras`, at most
+    that many adapters keep host copies: the least recently loaded ones are dropped and read
+    again from their folder when the scheduler next loads them into pages.
     """
 
     def __init__(self, model: torch.nn.Module, device: torch.device) -> None:
@@ -165,18 +168,25 @@ class LoRAPool:
         self.device = device
         self.dtype = next(model.parameters()).dtype
         self.capacity: dict[str, int] = {}  # kind -> pages; empty until `enable`
-        self.host: dict[int, AdapterWeights] = {}  # adapter_id -> weights
+        self.host: OrderedDict[int, AdapterWeights] = OrderedDict()  # least recently used first
+        self.paths: dict[int, str] = {}  # adapter_id -> folder, for every stored adapter
+        self.max_cpu_loras: int | None = None
+        self.num_reads = 0  # host copies read again after being dropped
         self._allocated: set[str] = set()
 
     @property
     def is_enabled(self) -> bool:
         return bool(self.capacity)
 
-    def enable(self, max_lora_slots: int, max_lora_rank: int) -> dict[str, int]:
-        """Size the pool: per kind, `max_lora_slots` adapters of `max_lora_rank` on every part.
-        Returns the capacity (kind -> pages); tensors are allocated per kind on first use."""
+    def enable(
+        self, max_lora_slots: int, max_lora_rank: int, max_cpu_loras: int | None = None
+    ) -> dict[str, int]:
+        """Size the pool: per kind, `max_lora_slots` adapters of `max_lora_rank` on every part,
+        and at most `max_cpu_loras` host copies (None: all). Returns the capacity (kind ->
+        pages); tensors are allocated per kind on first use."""
         if not self.targets.kinds:
             raise ValueError("this model has no LoRA-able linears inside decoder layers")
+        self.max_cpu_loras = max_cpu_loras
         self.capacity = {
             name: max_lora_slots * max_lora_rank * len(kind.part_names)
             for name, kind in self.targets.kinds.items()
@@ -194,7 +204,24 @@ class LoRAPool:
                 for module in kind.modules.values():
                     enable_lora(module, kind_name, self.capacity[kind_name])
                 self._allocated.add(kind_name)
+        self.paths[adapter_id] = weights.path
+        self._keep(adapter_id, weights)
+
+    def _keep(self, adapter_id: int, weights: AdapterWeights) -> None:
+        """Hold `weights` as the most recently used host copy, within `max_cpu_loras`."""
         self.host[adapter_id] = weights
+        self.host.move_to_end(adapter_id)
+        while self.max_cpu_loras is not None and len(self.host) > self.max_cpu_loras:
+            self.host.popitem(last=False)
+
+    def host_weights(self, adapter_id: int) -> AdapterWeights:
+        """Adapter `adapter_id`'s host copy, read again from its folder if it was dropped."""
+        weights = self.host.get(adapter_id)
+        if weights is None:
+            weights = self.read(self.paths[adapter_id])
+            self.num_reads += 1
+        self._keep(adapter_id, weights)
+        return weights
 
     @torch.inference_mode()
     def apply(self, plan: AdapterPlan) -> None:
@@ -202,9 +229,10 @@ class LoRAPool:
             self._load(load.adapter_id, load.pages)
         for adapter_id in plan.drops:
             self.host.pop(adapter_id, None)
+            self.paths.pop(adapter_id, None)
 
     def _load(self, adapter_id: int, pages: dict[str, list[int]]) -> None:
-        weights = self.host[adapter_id]
+        weights = self.host_weights(adapter_id)
         for kind_name, kind_pages in pages.items():
             kind = self.targets.kinds[kind_name]
             index = torch.tensor(kind_pages, device=self.device)

@@ -20,6 +20,7 @@ from lmengine.serve.errors import install_error_handlers
 from lmengine.serve.jobs import ResponseRouter
 from lmengine.serve.limits import BodyLimit
 from lmengine.serve.routes_health import health_router
+from lmengine.serve.routes_lora import lora_router
 from lmengine.serve.routes_openai import openai_router
 from lmengine.serve.routes_qos import qos_router
 from lmengine.serve.routes_tokenizer import tokenizer_router
@@ -54,12 +55,15 @@ def build_app(engine, settings: ServerSettings) -> FastAPI:
     app.include_router(openai_router(client))
     app.include_router(qos_router(client))
     app.include_router(tokenizer_router(client))
+    if settings.enable_lora_updates:
+        app.include_router(lora_router(client))
     return app
 
 
 def _openapi(app: FastAPI, vocab_size: int) -> dict:
     """FastAPI's OpenAPI document, stating what this server does: no 422 (a body that does
-    not validate is a 400, listed per route), and token ids bounded by the served vocabulary."""
+    not validate is a 400, listed per route), errors as JSON on every route, and token ids
+    bounded by the served vocabulary."""
     if app.openapi_schema is None:
         from fastapi.openapi.utils import get_openapi
 
@@ -67,7 +71,15 @@ def _openapi(app: FastAPI, vocab_size: int) -> dict:
                              description=app.description, routes=app.routes)  # fmt: skip
         for path in schema.get("paths", {}).values():
             for operation in path.values():
-                operation.get("responses", {}).pop("422", None)
+                responses = operation.get("responses", {})
+                responses.pop("422", None)
+                for status, response in responses.items():
+                    content = response.get("content", {})
+                    # NOTE: FastAPI files every response under the route's media type; an
+                    # error is OpenAI's JSON body on text routes too
+                    if int(status) >= 400 and "application/json" not in content:
+                        plain = content.pop("text/plain", {})
+                        content["application/json"] = plain
         _bound_token_ids(schema, vocab_size - 1)
         app.openapi_schema = schema
     return app.openapi_schema

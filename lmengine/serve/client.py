@@ -101,12 +101,16 @@ class EngineClient:
         return list(ids)
 
     # ---- admission ----------------------------------------------------------------------------
-    def new_job(self, endpoint: str) -> Job:
-        """An empty Job for one HTTP request; 503 when shutting down or the engine is gone."""
+    def check_engine(self) -> None:
+        """503 when the server is shutting down or the engine is gone."""
         if self.is_shutting_down():
             raise APIError(503, "the server is shutting down", "service_unavailable")
         if not self.engine.is_alive:
             raise APIError(503, "the engine is not running", "service_unavailable")
+
+    def new_job(self, endpoint: str) -> Job:
+        """An empty Job for one HTTP request; 503 when shutting down or the engine is gone."""
+        self.check_engine()
         return Job(
             self.engine,
             self.router,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import time
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -99,6 +100,7 @@ class ServerMetrics:
                 _walk(f"lmengine_{_name(key)}", str(key), value, (), nested)
         for name, samples in nested.items():
             lines += [f"# HELP {name} engine stat", f"# TYPE {name} gauge", *samples]
+        lines += gateway_metrics(stats)
         gauge("lmengine_server_requests_in_flight", "choices being generated", self.num_in_flight)
         gauge("lmengine_server_requests_queued", "choices without a first token", self.num_queued)
         gauge("lmengine_prompt_tokens_total", "prompt tokens", self.prompt_tokens, "counter")
@@ -126,6 +128,36 @@ class ServerMetrics:
         for hist in (self.ttft, self.tpot, self.e2e):
             lines += hist.render()
         return "\n".join(lines) + "\n"
+
+
+def gateway_metrics(stats: dict) -> list[str]:
+    """The engine's load under vLLM's metric names, which inference gateways scrape to pick a
+    replica (the Gateway API Inference Extension's model server protocol, llm-d): queued and
+    running requests, KV cache usage (1 = full; under both of vLLM's names) and the LoRA
+    adapters of running and waiting requests (a gauge holding the time of the scrape)."""
+    total = stats.get("num_total_blocks", 0)
+    usage = (total - stats.get("num_free_blocks", 0)) / total if total else 0.0
+    samples = [
+        ("vllm:num_requests_waiting", "requests waiting to run", stats.get("num_waiting", 0)),
+        ("vllm:num_requests_running", "requests in the running batch", stats.get("num_running", 0)),
+        ("vllm:gpu_cache_usage_perc", "KV cache usage, 1 = full", usage),
+        ("vllm:kv_cache_usage_perc", "KV cache usage, 1 = full", usage),
+    ]  # fmt: skip
+    lines = []
+    for name, help_text, value in samples:
+        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge", f"{name} {value}"]
+    labels = {
+        "max_lora": stats.get("max_lora_slots", 0),
+        "running_lora_adapters": ",".join(stats.get("running_adapters", ())),
+        "waiting_lora_adapters": ",".join(stats.get("waiting_adapters", ())),
+    }
+    text = ",".join(f'{k}="{_label(v)}"' for k, v in labels.items())
+    lines += [
+        "# HELP vllm:lora_requests_info LoRA adapters of running and waiting requests",
+        "# TYPE vllm:lora_requests_info gauge",
+        f"vllm:lora_requests_info{{{text}}} {time.time()}",
+    ]
+    return lines
 
 
 def _is_number(value) -> bool:

@@ -478,3 +478,18 @@ class InteractiveRequestQos(_Body):
     stop: StopStrings = None
     user_id: str | None = Field(None, max_length=256)
     priority: int | None = Field(None, ge=-(2**31), le=2**31 - 1)
+
+
+class LoadLoRAAdapterRequest(_Body):
+    """POST /v1/load_lora_adapter (vLLM): serve the peft LoRA folder `lora_path` as the model
+    `lora_name`."""
+
+    lora_name: str = Field(..., min_length=1, max_length=256)
+    lora_path: str = Field(..., min_length=1, max_length=4096)
+
+
+class UnloadLoRAAdapterRequest(_Body):
+    """POST /v1/unload_lora_adapter (vLLM): stop serving `lora_name` (running requests
+    finish with it)."""
+
+    lora_name: str = Field(..., min_length=1, max_length=256)

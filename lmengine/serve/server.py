@@ -70,6 +70,12 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
         "parsed (default: 4; 0: no limit)",
     )
     g.add_argument(
+        "--enable-lora-updates",
+        action="store_true",
+        help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's endpoints, "
+        "behind the API keys): adapters loaded and unloaded while serving",
+    )
+    g.add_argument(
         "--no-auto-tool-constraint",
         dest="auto_tool_constraint",
         action="store_false",
@@ -125,6 +131,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         auto_tool_constraint=args.auto_tool_constraint,
         max_body_bytes=int(args.max_body_mb * (1 << 20)),
         qos_enabled=engine_config.qos_config_path is not None,
+        enable_lora_updates=args.enable_lora_updates,
     )
     with model_load_errors(model, engine_config):
         engine = Engine.from_pretrained(model, engine_config)

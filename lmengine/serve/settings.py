@@ -21,3 +21,4 @@ class ServerSettings:
     auto_tool_constraint: bool = True  # under tool_choice=auto, a call that starts parses
     qos_enabled: bool = False
     max_body_bytes: int = 4 << 20  # larger request bodies are answered 413; 0: no limit
+    enable_lora_updates: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter

@@ -1,0 +1,62 @@
+"""LoRA adapters loaded and unloaded while serving, with vLLM's paths and bodies:
+POST /v1/load_lora_adapter {lora_name, lora_path}, POST /v1/unload_lora_adapter {lora_name}.
+Behind the API keys, and only with `--enable-lora-updates` (vLLM gates them the same way).
+A loaded adapter is a model: `/v1/models` lists it and requests name it in `model`."""
+
+from __future__ import annotations
+
+import asyncio
+
+from fastapi import APIRouter, Depends
+from fastapi.responses import PlainTextResponse
+
+from lmengine.flags import one_line
+from lmengine.serve.auth import api_key_check
+from lmengine.serve.client import EngineClient
+from lmengine.serve.errors import APIError, error_responses
+from lmengine.serve.protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
+
+
+def lora_router(client: EngineClient) -> APIRouter:
+    """The two adapter endpoints over `client`'s engine, behind the API keys."""
+    router = APIRouter(
+        dependencies=[Depends(api_key_check(client.settings.api_keys))], tags=["adapters"]
+    )
+    engine = client.engine
+
+    @router.post(
+        "/v1/load_lora_adapter",
+        response_class=PlainTextResponse,
+        responses=error_responses(400, 401, 413, 503),
+    )
+    async def load_lora_adapter(body: LoadLoRAAdapterRequest):
+        name = body.lora_name
+        if name == client.settings.model_name:
+            raise APIError(400, f"{name!r} is the served model's name: give the adapter another")
+        client.check_engine()
+        try:  # NOTE: read from disk in a worker thread; the engine steps meanwhile
+            await asyncio.to_thread(engine.add_adapter, name, body.lora_path)
+        except Exception as e:
+            client.check_engine()
+            raise APIError(400, f"cannot load the adapter {name!r}: {one_line(e)}") from None
+        return f"Success: LoRA adapter '{name}' added successfully."
+
+    @router.post(
+        "/v1/unload_lora_adapter",
+        response_class=PlainTextResponse,
+        responses=error_responses(400, 401, 404, 413, 503),
+    )
+    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest):
+        name = body.lora_name
+        client.check_engine()
+        if name not in client.adapter_names():
+            raise APIError(
+                404, f"the adapter {name!r} is not loaded", "invalid_request_error", "not_found"
+            )
+        try:
+            await asyncio.to_thread(engine.remove_adapter, name)
+        except ValueError:  # unloaded meanwhile by another request
+            raise APIError(404, f"the adapter {name!r} is not loaded", code="not_found") from None
+        return f"Success: LoRA adapter '{name}' removed successfully."
+
+    return router
