@@ -162,6 +162,8 @@ def test_a_running_request_finishes_with_its_unloaded_adapter(server, folders):
     worker = threading.Thread(target=stream)
     worker.start()
     assert started.wait(60)
+    running = httpx.get(server + "/metrics", headers=AUTH).text
+    assert 'running_lora_adapters="leaving"' in running  # what a gateway sees
     assert unload(server, "leaving").status_code == 200
     assert len(pieces) < 300  # unloaded while the request ran
     worker.join(60)

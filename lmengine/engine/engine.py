@@ -279,9 +279,13 @@ class Engine:
         def collect() -> dict:
             stats = self.scheduler.stats()
             stats["max_lora_slots"] = self.engine_config.max_lora_slots
-            if self.scheduler.adapter_manager is not None:
+            sched = self.scheduler
+            if sched.adapter_manager is not None:
                 stats["num_adapter_host_reads"] = self.model_agent.lora.num_reads
                 stats["num_host_adapters"] = len(self.model_agent.lora.host)
+                # names, as vLLM's lora_requests_info labels them (read by inference gateways)
+                stats["running_adapters"] = _adapter_names(sched.running)
+                stats["waiting_adapters"] = _adapter_names([*sched.waiting, *sched.swapped])
             speculative = self.model_agent.speculative_stats()
             if speculative is not None:
                 stats["speculative"] = speculative
@@ -442,3 +446,7 @@ class Engine:
         self.scheduler.check_integrity()
         if self._failed_steps >= _MAX_FAILED_STEPS:
             raise FatalEngineError(f"{_MAX_FAILED_STEPS} steps in a row failed: {message}")
+
+
+def _adapter_names(seqs) -> list[str]:
+    return sorted({seq.adapter_name for seq in seqs if seq.adapter_name is not None})

@@ -466,9 +466,6 @@ class Scheduler:
             stats["qos"] = self.qos.stats(states, self.clock())
         if self.adapter_manager is not None:
             stats.update(self.adapter_manager.stats())
-            # names, as vLLM's lora_requests_info labels them (read by inference gateways)
-            stats["running_adapters"] = _adapter_names(self.running)
-            stats["waiting_adapters"] = _adapter_names([*self.waiting, *self.swapped])
         return stats
 
     def check_integrity(self) -> None:
@@ -499,7 +496,3 @@ num_shared_blocks num_cow_copies""".split()
 def _num_prompt_tokens(seq: Sequence, start: int, num_new: int) -> int:
     """How many of the tokens [start, start + num_new) of `seq` belong to its prompt."""
     return max(0, min(start + num_new, seq.num_prompt_tokens) - start)
-
-
-def _adapter_names(seqs) -> list[str]:
-    return sorted({seq.adapter_name for seq in seqs if seq.adapter_name is not None})
