@@ -35,8 +35,15 @@ setup(
         # tested: fastapi 0.165, uvicorn 0.54, openai 3.54 (server tests use the client)
         "serve": ["fastapi>=0.110,<1", "uvicorn>=0.29,<1", "openai>=1.30,<4"],
         # tested: schemathesis 4.32 (the OpenAPI fuzz test of the server); lm-eval 0.4.13
-        # (lm-evaluation-harness against the server; its `api` extra has the HTTP client)
-        "test": ["pytest>=8", "ruff>=0.6", "schemathesis>=4.0,<5", "lm-eval[api]==0.4.13"],
+        # (lm-evaluation-harness against the server; its `api` extra has the HTTP client);
+        # smg 1.13 (SGLang's model gateway: replicas behind a router, tests/test_router.py)
+        "test": [
+            "pytest>=8",
+            "ruff>=0.6",
+            "schemathesis>=4.0,<5",
+            "lm-eval[api]==0.4.13",
+            "smg==1.13.0",
+        ],
         "bench": ["matplotlib>=3.7,<4"],  # benchmarks/policies.py plots
     },
     entry_points={"console_scripts": ["lmengine=lmengine.cli:main"]},
