@@ -110,13 +110,15 @@ def test_tp2_with_speculative_decoding_equals_tp1(tiny_llama_path, method):
     speculation, under preemption and threads, and drafts were proposed and accepted."""
     # prompts that repeat themselves, so that prompt lookup finds drafts the model accepts
     prompts = [p * 2 for p in _prompts(tiny_llama_path)]  # at most 80 tokens
-    expected, _, ref = _run(tiny_llama_path, 1, threads=3, prompts=prompts, **PREEMPT)
+    # NOTE: all six at once: with three threads running two each, whether the long ones
+    # overlapped (and so preempted) depended on timing
+    expected, _, ref = _run(tiny_llama_path, 1, threads=6, prompts=prompts, **PREEMPT)
     ref.close()
     spec = {"method": method, "num_speculative_tokens": 3}
     if method == "draft_model":
         spec["draft_model"] = tiny_llama_path
     got, responses, engine = _run(
-        tiny_llama_path, 2, threads=3, prompts=prompts, speculative=spec, **PREEMPT
+        tiny_llama_path, 2, threads=6, prompts=prompts, speculative=spec, **PREEMPT
     )
     procs = list(engine.model_agent.workers.procs.values())
     try:
