@@ -37,7 +37,7 @@ import torch
 
 from lmengine.api import Pipeline
 from lmengine.bench.prompts import chat_ids, read_lines
-from lmengine.bench.report import cpu_model
+from lmengine.bench.report import busy_fraction, cpu_model
 from lmengine.config import EngineConfig, GenerationConfig, SteeringVector
 from lmengine.engine.engine import Engine
 from lmengine.engine.loader import resolve_model_path
@@ -48,20 +48,6 @@ PROMPTS = Path(__file__).resolve().parents[1] / "lmengine" / "data" / "prompts.t
 
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
-
-
-def busy_fraction(seconds: float = 2.0) -> float:
-    """Share of the CPUs' time spent outside idle over `seconds` (this process sleeps), from
-    /proc/stat; the 1-minute load average would still count work that ended a minute ago."""
-
-    def sample() -> tuple[int, int]:
-        fields = [int(x) for x in open("/proc/stat").readline().split()[1:]]
-        return sum(fields), fields[3] + fields[4]  # total, idle + iowait
-
-    total0, idle0 = sample()
-    time.sleep(seconds)
-    total1, idle1 = sample()
-    return 1 - (idle1 - idle0) / max(1, total1 - total0)
 
 
 def check_idle(force: bool) -> None:

@@ -4,13 +4,17 @@ the in-process API (EngineInstance.stream_infer), in one run, to show the server
     python benchmarks/serving.py                          # fixed concurrency 32, SmolLM2
     python benchmarks/serving.py --request-rate 2 4       # Poisson arrivals at 2 and 4 req/s
     python benchmarks/serving.py --quick                  # a smoke test with small sizes
+    python benchmarks/serving.py --router                 # one replica direct vs behind smg
 
 Every request is a chat prompt of examples/prompts.txt with `--max-tokens` new tokens (EOS
 ignored, greedy), so both sides do exactly the same work. Reported per run: request and
 output-token throughput, time to first token (TTFT), time per output token after the first
 (TPOT), inter-token latency (ITL), end-to-end latency (p50/p90/p99), and goodput: requests
 per second that met the latency targets (--slo-ttft-ms, --slo-tpot-ms). The in-process side
-runs first, then the server is started as a subprocess with the same engine flags.
+runs first, then the server is started as a subprocess with the same engine flags. With
+`--router`, there is no in-process run: one server is measured directly and behind SGLang's
+model gateway (`smg`, round robin over that one replica), the two alternating, twice each, to
+show what the router adds.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import asyncio
 import json
 import os
 import random
+import shutil
 import socket
 import subprocess
 import sys
@@ -144,7 +149,9 @@ def run_inprocess(engine, prompts, max_tokens, concurrency, offsets) -> tuple[li
 
 
 # ---- HTTP ---------------------------------------------------------------------------------------
-async def run_http(url, messages, max_tokens, concurrency, offsets) -> tuple[list[Sample], float]:
+async def run_http(
+    url, messages, max_tokens, concurrency, offsets, model: str | None = None
+) -> tuple[list[Sample], float]:
     try:
         import httpx2 as httpx
     except ImportError:
@@ -164,6 +171,7 @@ async def run_http(url, messages, max_tokens, concurrency, offsets) -> tuple[lis
                 "ignore_eos": True,
                 "stream": True,
                 "stream_options": {"include_usage": True},
+                **({"model": model} if model else {}),
             }
             t0 = time.perf_counter()
             finish = None
@@ -209,9 +217,7 @@ def start_server(model: str | None, engine_flags: list[str]) -> tuple[subprocess
     except ImportError:
         import httpx
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     cmd = [sys.executable, "-m", "lmengine", "serve", *([model] if model else [])]
     cmd += ["--port", str(port), *engine_flags]
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -227,6 +233,138 @@ def start_server(model: str | None, engine_flags: list[str]) -> tuple[subprocess
             time.sleep(0.25)
     proc.kill()
     raise RuntimeError("server did not start")
+
+
+def start_smg(workers: list[str], policy: str = "round_robin") -> tuple[subprocess.Popen, str]:
+    """SGLang's model gateway (`smg launch`, pip install smg) on loopback in front of
+    `workers`, noticing a dead worker within seconds; returns once all are healthy."""
+    try:
+        import httpx2 as httpx
+    except ImportError:
+        import httpx
+
+    found = Path(sys.executable).with_name("smg")
+    binary = str(found) if found.exists() else shutil.which("smg")
+    if binary is None:
+        raise RuntimeError("the router needs smg: pip install smg==1.13.0")
+    port, prometheus = free_port(), free_port()
+    cmd = [
+        binary, "launch", "--host", "127.0.0.1", "--port", str(port),
+        "--worker-urls", *workers, "--policy", policy,
+        "--prometheus-host", "127.0.0.1", "--prometheus-port", str(prometheus),
+        "--disable-tokenizer-autoload", "--log-level", "warn",
+        "--health-check-interval-secs", "1", "--health-failure-threshold", "2",
+        "--health-success-threshold", "1", "--health-check-timeout-secs", "2",
+    ]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"smg exited with {proc.returncode}")
+        try:
+            ready = httpx.get(url + "/readiness", timeout=1.0)
+            if ready.status_code == 200 and ready.json().get("healthy_workers") == len(workers):
+                return proc, url
+        except (httpx.HTTPError, ValueError):
+            pass
+        time.sleep(0.3)
+    proc.kill()
+    raise RuntimeError("smg did not see its workers healthy within 60 s")
+
+
+def stop(proc: subprocess.Popen, timeout: float = 60) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def compare_inprocess(args, engine_flags, messages, max_tokens, loads, slo_s):
+    """Each load in-process (EngineInstance.stream_infer) and then over HTTP."""
+    from lmengine import Engine, EngineConfig
+    from lmengine.api import chat_token_ids
+
+    num = len(messages)
+    rows = []
+    print(f"in-process: loading {args.model or 'the default model'}", file=sys.stderr)
+    engine = Engine.from_pretrained(
+        args.model,
+        EngineConfig(max_batch_size=args.max_batch_size, num_threads=args.num_threads),
+    )
+    try:
+        prompts = [chat_token_ids(engine.tokenizer, m) for m in messages]
+        run_inprocess(engine, prompts[:4], 4, 4, None)  # warm-up
+        for kind, value in loads:
+            offsets = arrival_offsets(num, value, args.seed) if kind == "rate" else None
+            conc = int(value) if kind == "concurrency" else num
+            samples, wall = run_inprocess(engine, prompts, max_tokens, conc, offsets)
+            rows.append(summarize(f"in-process {kind}={value}", samples, wall, *slo_s))
+            print(f"  {rows[-1]['name']}: {rows[-1]['out_tok_per_s']:.1f} tok/s", file=sys.stderr)
+    finally:
+        engine.close()
+    del engine
+
+    print("HTTP: starting lmengine serve", file=sys.stderr)
+    proc, url = start_server(args.model, engine_flags)
+    try:
+        asyncio.run(run_http(url, messages[:4], 4, 4, None))  # warm-up
+        for kind, value in loads:
+            offsets = arrival_offsets(num, value, args.seed) if kind == "rate" else None
+            conc = int(value) if kind == "concurrency" else num
+            samples, wall = asyncio.run(run_http(url, messages, max_tokens, conc, offsets))
+            rows.append(summarize(f"HTTP {kind}={value}", samples, wall, *slo_s))
+            print(f"  {rows[-1]['name']}: {rows[-1]['out_tok_per_s']:.1f} tok/s", file=sys.stderr)
+    finally:
+        stop(proc)
+    half = len(rows) // 2
+    return rows, [(a, b, "HTTP / in-process") for a, b in zip(rows[:half], rows[half:])]
+
+
+def compare_router(model_path, engine_flags, messages, max_tokens, loads, slo_s, seed, repeats=2):
+    """Each load against one server directly and through smg, alternating, `repeats` times."""
+    try:
+        import httpx2 as httpx
+    except ImportError:
+        import httpx
+
+    num = len(messages)
+    proc, direct = start_server(model_path, engine_flags)
+    router = None
+    try:
+        model = httpx.get(direct + "/v1/models").json()["data"][0]["id"]
+        router, routed = start_smg([direct])
+        for url in (direct, routed):  # warm-up
+            asyncio.run(run_http(url, messages[:4], 4, 4, None, model))
+        rows, pairs = [], []
+        for kind, value in loads:
+            offsets = arrival_offsets(num, value, seed) if kind == "rate" else None
+            conc = int(value) if kind == "concurrency" else num
+            for rep in range(repeats):
+                pair = []
+                for name, url in (("direct", direct), ("via smg", routed)):
+                    run = run_http(url, messages, max_tokens, conc, offsets, model)
+                    samples, wall = asyncio.run(run)
+                    pair.append(
+                        summarize(f"{name} {kind}={value} #{rep + 1}", samples, wall, *slo_s)
+                    )
+                    print(f"  {pair[-1]['name']}: {pair[-1]['out_tok_per_s']:.1f} tok/s",
+                          file=sys.stderr)  # fmt: skip
+                rows += pair
+                pairs.append((*pair, "router / direct"))
+        return rows, pairs
+    finally:
+        if router is not None:
+            stop(router)
+        stop(proc)
 
 
 # ---- main ---------------------------------------------------------------------------------------
@@ -248,6 +386,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     p.add_argument("--quick", action="store_true", help="16 prompts x 16 tokens, concurrency 8")
+    p.add_argument("--force", action="store_true", help="run even if the CPUs are busy")
+    p.add_argument("--router", action="store_true",
+                   help="one server directly vs behind smg (pip install smg)")  # fmt: skip
     args = p.parse_args(argv)
     num = args.num_prompts or (16 if args.quick else 64)
     max_tokens = args.max_tokens or (16 if args.quick else 64)
@@ -259,43 +400,20 @@ def main(argv: list[str] | None = None) -> int:
     engine_flags = ["--max-batch-size", str(args.max_batch_size),
                     "--num-threads", str(args.num_threads)]  # fmt: skip
 
-    from lmengine import Engine, EngineConfig
-    from lmengine.api import chat_token_ids
+    from lmengine.bench.report import busy_fraction, cpu_model
 
-    rows = []
-    print(f"in-process: loading {args.model or 'the default model'}", file=sys.stderr)
-    engine = Engine.from_pretrained(
-        args.model,
-        EngineConfig(max_batch_size=args.max_batch_size, num_threads=args.num_threads),
-    )
-    try:
-        prompts = [chat_token_ids(engine.tokenizer, m) for m in messages]
-        run_inprocess(engine, prompts[:4], 4, 4, None)  # warm-up
-        for kind, value in loads:
-            offsets = arrival_offsets(num, value, args.seed) if kind == "rate" else None
-            conc = int(value) if kind == "concurrency" else num
-            samples, wall = run_inprocess(engine, prompts, max_tokens, conc, offsets)
-            rows.append(summarize(f"in-process {kind}={value}", samples, wall,
-                                  args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3))  # fmt: skip
-            print(f"  {rows[-1]['name']}: {rows[-1]['out_tok_per_s']:.1f} tok/s", file=sys.stderr)
-    finally:
-        engine.close()
-    del engine
-
-    print("HTTP: starting lmengine serve", file=sys.stderr)
-    proc, url = start_server(args.model, engine_flags)
-    try:
-        asyncio.run(run_http(url, messages[:4], 4, 4, None))  # warm-up
-        for kind, value in loads:
-            offsets = arrival_offsets(num, value, args.seed) if kind == "rate" else None
-            conc = int(value) if kind == "concurrency" else num
-            samples, wall = asyncio.run(run_http(url, messages, max_tokens, conc, offsets))
-            rows.append(summarize(f"HTTP {kind}={value}", samples, wall,
-                                  args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3))  # fmt: skip
-            print(f"  {rows[-1]['name']}: {rows[-1]['out_tok_per_s']:.1f} tok/s", file=sys.stderr)
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
+    busy = busy_fraction()
+    print(f"{cpu_model()}, {os.cpu_count()} CPUs, {time.strftime('%Y-%m-%d')}, "
+          f"{busy:.0%} busy at start", file=sys.stderr)  # fmt: skip
+    if busy > 0.1 and not args.force:
+        sys.exit(f"the CPUs are {busy:.0%} busy: the figures would be wrong (--force to run)")
+    slo_s = (args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)
+    if args.router:
+        rows, pairs = compare_router(
+            args.model, engine_flags, messages, max_tokens, loads, slo_s, args.seed
+        )
+    else:
+        rows, pairs = compare_inprocess(args, engine_flags, messages, max_tokens, loads, slo_s)
 
     slo = f"TTFT <= {args.slo_ttft_ms:g} ms, TPOT <= {args.slo_tpot_ms:g} ms"
     print(f"\n{num} chat requests x {max_tokens} new tokens (EOS ignored, greedy); {slo}\n")
@@ -311,12 +429,15 @@ def main(argv: list[str] | None = None) -> int:
         lat = " | ".join(trio(r, key) for key in ("ttft", "tpot", "itl", "e2e"))
         print(f"| {r['name']} | {r['req_per_s']:.2f} | {r['out_tok_per_s']:.1f} | "
               f"{r['goodput_req_per_s']:.2f} | {lat} | {r['failed']} |")  # fmt: skip
-    half = len(rows) // 2
     print()
-    for local, http in zip(rows[:half], rows[half:]):
-        ratio = http["out_tok_per_s"] / local["out_tok_per_s"]
-        print(f"{http['name']}: HTTP / in-process throughput = {ratio:.3f} "
-              f"(server overhead {100 * (1 - ratio):+.1f} %)")  # fmt: skip
+    for base, other, what in pairs:
+        ratio = other["out_tok_per_s"] / base["out_tok_per_s"]
+        added = "; ".join(
+            f"{key.upper()} p{q} {other[f'{key}_p{q}_ms'] - base[f'{key}_p{q}_ms']:+.1f} ms"
+            for key in ("ttft", "e2e") for q in (50, 99)
+        )  # fmt: skip
+        print(f"{other['name']}: {what} throughput = {ratio:.3f} "
+              f"({100 * (1 - ratio):+.1f} % overhead); {added}")  # fmt: skip
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
     return 1 if any(r["failed"] for r in rows) else 0

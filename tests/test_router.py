@@ -1,4 +1,4 @@
-"""Replicas behind an existing router, as docs/serving_at_scale.md tells a user to run them:
+"""Replicas behind an existing router, as docs/replicas.md tells a user to run them:
 two `lmengine serve` processes and SGLang's model gateway (`smg`, from PyPI) on loopback ports,
 the `openai` client pointed at the router. 64 requests all succeed and both replicas serve
 some (read from their /metrics); with the cache-aware policy, requests sharing a long prefix
@@ -7,68 +7,16 @@ other and nothing hangs."""
 
 from __future__ import annotations
 
-import shutil
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import openai
 import pytest
 
-from tests.test_server import free_port, metrics, start_server, stop_server
-
-try:
-    import httpx2 as httpx
-except ImportError:  # pragma: no cover
-    import httpx
+from benchmarks.serving import start_smg, stop
+from tests.test_server import metrics, start_server, stop_server
 
 MODEL = "tiny"
-
-
-def smg_binary() -> str:
-    path = Path(sys.executable).with_name("smg")
-    found = str(path) if path.exists() else shutil.which("smg")
-    assert found, "the router test needs smg (pip install 'lmengine[test]')"
-    return found
-
-
-def start_router(workers: list[str], policy: str) -> tuple[subprocess.Popen, str]:
-    """`smg launch` in front of `workers`; returns once both are healthy behind it."""
-    port, prometheus = free_port(), free_port()
-    cmd = [
-        smg_binary(), "launch", "--host", "127.0.0.1", "--port", str(port),
-        "--worker-urls", *workers, "--policy", policy,
-        "--prometheus-host", "127.0.0.1", "--prometheus-port", str(prometheus),
-        "--disable-tokenizer-autoload", "--log-level", "warn",
-        # notice a dead replica within seconds (the defaults take minutes)
-        "--health-check-interval-secs", "1", "--health-failure-threshold", "2",
-        "--health-success-threshold", "1", "--health-check-timeout-secs", "2",
-    ]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            ready = httpx.get(url + "/readiness", timeout=1.0)
-            if ready.status_code == 200 and ready.json().get("healthy_workers") == len(workers):
-                return proc, url
-        except (httpx.HTTPError, ValueError):
-            pass
-        assert proc.poll() is None, "the router exited"
-        time.sleep(0.3)
-    proc.kill()
-    raise RuntimeError("the router did not see its workers healthy within 60 s")
-
-
-def stop_router(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +56,7 @@ def complete(client: openai.OpenAI, i: int, prefix: str = "") -> str:
 
 def test_cache_aware_policy_keeps_a_shared_prefix_on_one_replica(replicas):
     urls = [url for proc, url in replicas if proc.poll() is None]
-    router, url = start_router(urls, "cache_aware")
+    router, url = start_smg(urls, "cache_aware")
     try:
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
         prefix = "You are a careful assistant who answers in one short sentence. " * 4
@@ -118,12 +66,12 @@ def test_cache_aware_policy_keeps_a_shared_prefix_on_one_replica(replicas):
         counts = [served(u) - b for u, b in zip(urls, before)]
         assert sorted(counts) == [0, 12], counts
     finally:
-        stop_router(router)
+        stop(router)
 
 
 def test_requests_spread_over_replicas_and_survive_a_dead_one(replicas):
     urls = [url for _, url in replicas]
-    router, url = start_router(urls, "round_robin")
+    router, url = start_smg(urls, "round_robin")
     try:
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
         before = [served(u) for u in urls]
@@ -153,4 +101,4 @@ def test_requests_spread_over_replicas_and_survive_a_dead_one(replicas):
         assert reasons == ["length"] * 32
         assert served(alive) - before_alive >= 24
     finally:
-        stop_router(router)
+        stop(router)

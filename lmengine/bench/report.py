@@ -7,6 +7,7 @@ import os
 import platform
 import shlex
 import sys
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +25,20 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def busy_fraction(seconds: float = 2.0) -> float:
+    """Share of the CPUs' time spent outside idle over `seconds` (this process sleeps), from
+    /proc/stat; the 1-minute load average would still count work that ended a minute ago."""
+
+    def sample() -> tuple[int, int]:
+        fields = [int(x) for x in open("/proc/stat").readline().split()[1:]]
+        return sum(fields), fields[3] + fields[4]  # total, idle + iowait
+
+    total0, idle0 = sample()
+    time.sleep(seconds)
+    total1, idle1 = sample()
+    return 1 - (idle1 - idle0) / max(1, total1 - total0)
 
 
 def command_line() -> str:
