@@ -269,12 +269,20 @@ def _command_parser(parser: argparse.ArgumentParser, command: str) -> argparse.A
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run one `lmengine` command; bad flags are one line on stderr and exit status 2."""
+    """Run one `lmengine` command; bad flags are one line on stderr and exit status 2. Under
+    torchrun, ranks other than 0 become the workers of rank 0's engine instead."""
+    from lmengine.distributed.launch import check_world_size, run_torchrun_worker, torchrun_rank
+
+    rank = torchrun_rank()
+    if rank not in (None, 0):
+        return run_torchrun_worker(rank)
     parser = build_parser()
     args = parser.parse_args(argv)
     command = _command_parser(parser, args.command)
     try:
         check_path_flags(command, args)  # NOTE: before anything loads: fail fast
+        if rank == 0:
+            check_world_size(getattr(args, "EngineConfig.tp", None) or 1)
         return args.func(args)
     except (ValueError, OSError) as e:  # bad flag values and paths: one line, no traceback
         print(f"{command.prog}: error: {one_line(e)}", file=sys.stderr)

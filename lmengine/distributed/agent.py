@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from lmengine.config import EngineConfig
 from lmengine.distributed.comm import TPGroup, backend_for, reset_tp_group, set_tp_group
+from lmengine.distributed.launch import publish_rank0, torchrun_rank
 from lmengine.distributed.load import load_shard, local_checkpoint, weight_bytes
 from lmengine.distributed.lora import TPLoRAPool
 from lmengine.distributed.step import StepChannel, build_rank_cache
@@ -58,13 +59,16 @@ class WorkerGroup:
 
     def __init__(self, model_path: str, cfg: EngineConfig, device: torch.device) -> None:
         addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+        launched = torchrun_rank() is not None  # NOTE: MASTER_PORT is torchrun's own store
         # NOTE: port 0 lets the OS pick a free port at bind time: no probe-then-bind race
-        port = int(os.environ.get("MASTER_PORT", 0))
+        port = 0 if launched else int(os.environ.get("MASTER_PORT", 0))
         self.store = dist.TCPStore(
             addr, port, cfg.tp, is_master=True, wait_for_workers=False, timeout=STORE_TIMEOUT
         )
         self.tp = cfg.tp
-        num_local = int(os.environ.get(LOCAL_RANKS_ENV, cfg.tp))
+        num_local = 1 if launched else int(os.environ.get(LOCAL_RANKS_ENV, cfg.tp))
+        if launched:  # the other ranks are torchrun's: tell them where this engine is
+            publish_rank0(model_path, cfg, device.type, self.store.port)
         env = dict(os.environ)
         root = str(Path(__file__).resolve().parents[2])  # so workers import this lmengine
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)

@@ -4,6 +4,8 @@ The engine starts these itself (one process per rank, on this machine). For rank
 machines, start them there with the same model folder and engine settings, one process per
 rank, by hand (`--rank`) or with torchrun (rank = `--rank-offset` + its `LOCAL_RANK`); they
 reach rank 0 at `--master-addr`:`--master-port` (the engine's MASTER_ADDR and MASTER_PORT).
+Simpler with torchrun: launch the `lmengine` command itself on every rank
+(`torchrun ... -m lmengine serve MODEL --tp N`, see `lmengine/distributed/launch.py`).
 
 A worker loads its shard, reports "ok" (or its error) in the rendezvous store, joins the
 process group, agrees on the KV block count, then loops: receive a step's inputs, run the
