@@ -277,9 +277,9 @@ class Engine:
         acceptance counters under "speculative"."""
 
         def collect() -> dict:
-            stats = self.scheduler.stats()
-            stats["max_lora_slots"] = self.engine_config.max_lora_slots
             sched = self.scheduler
+            stats = sched.stats()
+            stats["max_lora_slots"] = self.engine_config.max_lora_slots
             if sched.adapter_manager is not None:
                 stats["num_adapter_host_reads"] = self.model_agent.lora.num_reads
                 stats["num_host_adapters"] = len(self.model_agent.lora.host)

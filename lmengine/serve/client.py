@@ -78,8 +78,9 @@ class EngineClient:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._tokenizing, functools.partial(fn, *args, **kwargs))
 
-    def encode_text(self, text: str) -> list[int]:
-        return list(self.local_tokenizer()(text)["input_ids"])
+    def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self.local_tokenizer()(text, add_special_tokens=add_special_tokens)["input_ids"]
+        return list(ids)
 
     def encode_chat(
         self, messages: list[dict], add_generation_prompt: bool = True, tools: list | None = None

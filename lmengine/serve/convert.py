@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from lmengine.config import GenerationConfig
 from lmengine.serve.errors import APIError
-from lmengine.serve.protocol import MAX_STOP_WORDS, ChatMessage, InteractiveRequestQos
+from lmengine.serve.protocol import ChatMessage, InteractiveRequestQos
 
 
 def text_of(message: ChatMessage) -> str:
@@ -20,11 +20,7 @@ def text_of(message: ChatMessage) -> str:
 
 def stop_words(stop: str | list[str] | None) -> list[str] | None:
     """OpenAI's `stop` (a string or a list) as the engine's list; None when empty."""
-    words = [stop] if isinstance(stop, str) else list(stop or [])
-    if len(words) > MAX_STOP_WORDS:  # NOTE: also checked by the request models
-        raise APIError(
-            400, f"at most {MAX_STOP_WORDS} stop strings, got {len(words)}", param="stop"
-        )
+    words = [stop] if isinstance(stop, str) else list(stop or [])  # at most 16: StopStrings
     return [w for w in words if w] or None
 
 

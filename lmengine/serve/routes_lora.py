@@ -49,13 +49,9 @@ def lora_router(client: EngineClient) -> APIRouter:
     async def unload_lora_adapter(body: UnloadLoRAAdapterRequest):
         name = body.lora_name
         client.check_engine()
-        if name not in client.adapter_names():
-            raise APIError(
-                404, f"the adapter {name!r} is not loaded", "invalid_request_error", "not_found"
-            )
         try:
             await asyncio.to_thread(engine.remove_adapter, name)
-        except ValueError:  # unloaded meanwhile by another request
+        except ValueError:  # the engine's "unknown adapter": never loaded, or unloaded already
             raise APIError(404, f"the adapter {name!r} is not loaded", code="not_found") from None
         return f"Success: LoRA adapter '{name}' removed successfully."
 

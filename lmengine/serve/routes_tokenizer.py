@@ -30,12 +30,7 @@ def tokenizer_router(client: EngineClient) -> APIRouter:
             messages = chat_messages(body.messages, native)
             ids = await client.off_loop(client.encode_chat, messages, body.add_generation_prompt)
         else:
-            ids = await client.off_loop(
-                lambda: client.local_tokenizer()(
-                    body.prompt, add_special_tokens=body.add_special_tokens
-                )["input_ids"]
-            )
-            ids = list(ids)
+            ids = await client.off_loop(client.encode_text, body.prompt, body.add_special_tokens)
         strs = tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
         return {
             "count": len(ids),
