@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 import threading
 import time
+from contextlib import contextmanager, nullcontext
 
 from lmengine import Engine, GenerationConfig, Response
 
@@ -20,9 +21,13 @@ def run_threads(
     gen_config: GenerationConfig | list[GenerationConfig],
     num_threads: int | None = None,
     stagger_s: float = 0.0,
+    together: bool = False,
 ) -> list[Response]:
     """Submit every prompt from `num_threads` threads (default: one per prompt), thread t
-    starting after t * stagger_s; each thread runs its prompts one after another."""
+    starting after t * stagger_s; each thread runs its prompts one after another.
+
+    together: the engine loop is held until every thread's first request is queued, so the
+    first step sees all of them waiting (threads alone leave that to timing)."""
     num_threads = num_threads or len(prompts)
     configs = gen_config if isinstance(gen_config, list) else [gen_config] * len(prompts)
     results: list[Response | None] = [None] * len(prompts)
@@ -41,11 +46,36 @@ def run_threads(
             errors.append(e)
 
     threads = [threading.Thread(target=work, args=(t,)) for t in range(num_threads)]
-    for th in threads:
-        th.start()
+    with _loop_held(engine, num_pending=num_threads) if together else nullcontext():
+        for th in threads:
+            th.start()
     for th in threads:
         th.join(timeout=600)
     if errors:
         raise errors[0]
     assert all(r is not None for r in results), "a request never finished"
     return results
+
+
+@contextmanager
+def _loop_held(engine: Engine, num_pending: int, timeout_s: float = 60.0):
+    """Keep the engine loop busy inside a call until `num_pending` requests wait in its
+    inbox; the loop then takes them all in one drain."""
+    entered, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        entered.set()
+        release.wait(timeout_s)
+
+    holder = threading.Thread(target=engine.call, args=(hold,))
+    holder.start()
+    try:
+        assert entered.wait(timeout_s), "the engine loop never ran the holding call"
+        yield
+        deadline = time.monotonic() + timeout_s
+        while engine.request_manager.num_pending() < num_pending:
+            assert time.monotonic() < deadline, "the requests never reached the inbox"
+            time.sleep(0.001)
+    finally:
+        release.set()
+        holder.join(timeout_s)

@@ -127,7 +127,7 @@ def test_beam_batched_with_greedy_under_preemption(tiny_llama_path, eviction_typ
     prompts, configs, greedy = _beams_and_greedy(random.Random(3))
     cfg = _small_pool(eviction_type, enable_prefix_caching=prefix_caching)
     with Engine.from_pretrained(tiny_llama_path, cfg) as eng:
-        outs = run_threads(eng, prompts, configs)
+        outs = run_threads(eng, prompts, configs, together=True)
         stats = eng.stats()
         eng.check_integrity()
         forks = eng.call(lambda: eng.beam_search.num_forks)

@@ -42,7 +42,10 @@ def test_tiny_llama_matches_transformers(tiny_case, name):
         gen = GenerationConfig(max_new_tokens=TINY_NEW)
         # preempt: every request at once, since a tiny model's request can finish within
         # the stagger on a fast CPU, and then nothing ever competes for the pool
-        got = run_threads(engine, prompts, gen, stagger_s=0.0 if name == "preempt" else 0.01)
+        preempt = name == "preempt"
+        got = run_threads(
+            engine, prompts, gen, stagger_s=0.0 if preempt else 0.01, together=preempt
+        )
         for i, (r, exp) in enumerate(zip(got, expected)):
             assert r.finish_reason in ("stop", "length"), r.error
             assert r.token_ids == exp, f"prompt {i} ({len(prompts[i])} tokens) differs"

@@ -136,7 +136,12 @@ def test_architecture_matches_transformers(arch_case, engine_config):
     try:
         arch = type(engine.model_agent.model).__name__
         assert arch.startswith("Patched"), f"{name} ran unpatched as {arch}"
-        got = run_threads(engine, prompts, GenerationConfig(max_new_tokens=NEW_TOKENS))
+        got = run_threads(
+            engine,
+            prompts,
+            GenerationConfig(max_new_tokens=NEW_TOKENS),
+            together=engine_config == "preempt",
+        )
         for i, (r, exp) in enumerate(zip(got, expected)):
             assert r.finish_reason in ("stop", "length"), r.error
             assert r.token_ids == exp, f"{name}: prompt {i} ({len(prompts[i])} tokens) differs"

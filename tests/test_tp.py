@@ -65,6 +65,7 @@ def _run(path: str, tp: int, threads: int, prompts=None, **cfg) -> tuple[list, d
         prompts or _prompts(path),
         GenerationConfig(max_new_tokens=NEW),
         num_threads=threads,
+        together=True,  # the first step sees every thread's request: preemption by design
     )
     return [r.token_ids for r in got if r.finish_reason in ("stop", "length")], got, engine
 
@@ -110,8 +111,8 @@ def test_tp2_with_speculative_decoding_equals_tp1(tiny_llama_path, method):
     speculation, under preemption and threads, and drafts were proposed and accepted."""
     # prompts that repeat themselves, so that prompt lookup finds drafts the model accepts
     prompts = [p * 2 for p in _prompts(tiny_llama_path)]  # at most 80 tokens
-    # NOTE: all six at once: with three threads running two each, whether the long ones
-    # overlapped (and so preempted) depended on timing
+    # NOTE: all six at once: with three threads running two each, the long ones might not
+    # overlap (and so not preempt)
     expected, _, ref = _run(tiny_llama_path, 1, threads=6, prompts=prompts, **PREEMPT)
     ref.close()
     spec = {"method": method, "num_speculative_tokens": 3}

@@ -138,6 +138,10 @@ class RequestManager:
         self._inbox.put(req)
         self._wakeup.set()
 
+    def num_pending(self) -> int:
+        """Requests submitted and not yet taken by the loop."""
+        return self._inbox.qsize()
+
     # ---- the engine loop thread ---------------------------------------------------------------
     def drain(self, block: bool, timeout: float = 0.05) -> list[Request]:
         """All pending requests; waits up to `timeout` for the first one when `block`."""
