@@ -22,6 +22,7 @@ import logging
 import os
 import queue
 import threading
+import time
 import traceback
 from collections.abc import Callable, Iterable
 
@@ -172,7 +173,8 @@ class Engine:
             hidden_size=self.info.hidden_size,
             compile_grammar=self._compile_grammar if self.tokenizer is not None else None,
         )
-        self.request_manager = RequestManager(self.validator.validate)
+        self.num_steps = 0  # steps started; RequestMetrics count in these
+        self.request_manager = RequestManager(self.validator.validate, lambda: self.num_steps)
         self.outputs = OutputProcessor(self.tokenizer, self.info.eos_token_ids)
         self._seq_ids = itertools.count()
         self._session_ids = itertools.count(1 << 48)  # auto ids, far from user-chosen ones
@@ -279,6 +281,7 @@ class Engine:
         def collect() -> dict:
             sched = self.scheduler
             stats = sched.stats()
+            stats["num_steps"] = self.num_steps
             stats["max_lora_slots"] = self.engine_config.max_lora_slots
             if sched.adapter_manager is not None:
                 stats["num_adapter_host_reads"] = self.model_agent.lora.num_reads
@@ -367,6 +370,7 @@ class Engine:
                 req.result_queue.put((False, e))
 
     def _add(self, req: AddRequest) -> None:
+        req.metrics.arrival_time = time.monotonic()
         try:
             adapter_id = self.validator.admit(
                 req, self.outputs.states, self.scheduler.adapter_manager
@@ -411,10 +415,12 @@ class Engine:
         on; only a failure it cannot contain (a tensor-parallel rank lost mid-step, or
         failures step after step) stops the loop."""
         out = None
+        self.num_steps += 1
+        started = time.monotonic()
         try:
             out = self.scheduler.schedule()
             output = self.model_agent.execute(StepInput.from_output(out))
-            result = self.outputs.process(out, output)
+            result = self.outputs.process(out, output, self.num_steps, started)
             self.scheduler.update(out, result.new_tokens, result.finished)
             self.outputs.beam_responses(self.beam_search.advance(output.beam_rows), result)
             self.request_manager.publish_many(result.responses)

@@ -7,6 +7,7 @@ logprobs, speculative draft counts, and the final Response of a beam-search requ
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from lmengine.engine.beam import BeamGroup
@@ -70,6 +71,7 @@ class RequestState:
             num_accepted_tokens=self.num_accepted_tokens,
             prompt_logprobs=self.prompt_logprobs,
             hidden_states=hidden,
+            metrics=self.req.metrics,
         )
 
 
@@ -109,19 +111,26 @@ class OutputProcessor:
             state.hidden = HiddenStates(spec.hidden_layers) if spec.hidden_layers else None
         self.states[req.session_id] = state
 
-    def process(self, out: SchedulerOutput, output: ModelOutput) -> StepResult:
+    def process(
+        self, out: SchedulerOutput, output: ModelOutput, step: int = 0, started: float = 0.0
+    ) -> StepResult:
         """Check every sampled token for a stop, in order (with speculative decoding, tokens
-        after a stop are dropped), and build one Response per request that sampled."""
+        after a stop are dropped), and build one Response per request that sampled.
+        `step` and `started`: the engine's step number and its start (RequestMetrics)."""
         result = StepResult()
         has_research = bool(output.prompt_logprobs or output.hidden_states)
+        now = time.monotonic()
         for item in out.scheduled:
             seq = item.seq
+            state = self.states[seq.session_id]
+            metrics = state.req.metrics
+            if metrics.first_scheduled_step is None:
+                metrics.first_scheduled_step, metrics.first_scheduled_time = step, started
             if has_research:
-                self.states[seq.session_id].record_research(item, output)
+                state.record_research(item, output)
             res = output.sequences.get(seq.seq_id)
             if res is None:
                 continue
-            state = self.states[seq.session_id]
             if state.hidden is not None:  # the chunk's positions, and the accepted drafts'
                 # NOTE: only a step that samples answers, and its chunk ends at the last
                 # computed position, so earlier chunks need no mark of their own
@@ -140,6 +149,8 @@ class OutputProcessor:
                     accepted.append(token_id)
                     if reason is not None:
                         break
+            if accepted and metrics.first_token_step is None:
+                metrics.first_token_step, metrics.first_token_time = step, now
             result.new_tokens[seq.seq_id] = accepted
             state.num_draft_tokens += res.num_draft_tokens
             state.num_accepted_tokens += res.num_accepted_tokens
@@ -196,6 +207,7 @@ class OutputProcessor:
                 beam_token_ids=tokens,
                 beam_scores=scores,
                 beam_texts=texts if texts[0] is not None else None,
+                metrics=state.req.metrics,
             )
             result.responses.append((state.req, response))
             result.done_sessions.append(group.session_id)

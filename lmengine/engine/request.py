@@ -9,11 +9,37 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from lmengine.config import GenerationConfig
+
+
+@dataclass
+class RequestMetrics:
+    """Where a request waited before its first token, in engine steps and in seconds of
+    `time.monotonic()`: submitted (any thread), taken by the engine loop, first scheduled,
+    first token sampled. Steps are numbered from 1 as the engine starts them
+    (`Engine.stats()["num_steps"]`); `submit_step` is the step running (or last run) when the
+    request was submitted, so the first token of a request that is admitted at once comes
+    from step `submit_step + 1`."""
+
+    submit_step: int = 0
+    submit_time: float = 0.0
+    arrival_time: float | None = None
+    first_scheduled_step: int | None = None
+    first_scheduled_time: float | None = None
+    first_token_step: int | None = None
+    first_token_time: float | None = None
+
+    @property
+    def steps_to_first_token(self) -> int | None:
+        """Steps from submission to the first token, counting the one running at submission."""
+        if self.first_token_step is None:
+            return None
+        return self.first_token_step - self.submit_step + 1
 
 
 @dataclass
@@ -45,6 +71,7 @@ class Response:
     # per asked layer the hidden states [num_positions, hidden] of the positions run so far
     prompt_logprobs: list[dict[int, float] | None] | None = None
     hidden_states: dict[int, Any] | None = None  # layer -> torch.Tensor, on the CPU
+    metrics: RequestMetrics | None = None  # the request's wait for its first token
 
 
 @dataclass
@@ -59,6 +86,7 @@ class AddRequest:
     index: int = 0
     research: Any = None  # ResearchSpec, set by the validator when the request asks for one
     grammar: Any = None  # compiled structured_outputs, set by the validator
+    metrics: RequestMetrics = field(default_factory=RequestMetrics)  # stamped by the engine
 
 
 @dataclass
@@ -109,7 +137,14 @@ class RequestManager:
     """Thread-safe inbox for requests; tracks outstanding add requests so that, if the loop
     dies or the engine closes, every waiting caller gets an error instead of hanging."""
 
-    def __init__(self, validate: Callable[[AddRequest], None] | None = None) -> None:
+    def __init__(
+        self,
+        validate: Callable[[AddRequest], None] | None = None,
+        current_step: Callable[[], int] = lambda: 0,
+    ) -> None:
+        """`validate` refuses a request in the submitting thread; `current_step` is the
+        engine's step counter, stamped on every add request."""
+        self._current_step = current_step
         self._inbox: queue.Queue[Request] = queue.Queue()
         self._validate = validate
         self._lock = threading.Lock()
@@ -120,6 +155,8 @@ class RequestManager:
     # ---- any thread ---------------------------------------------------------------------------
     def submit(self, req: Request) -> None:
         if isinstance(req, AddRequest):
+            req.metrics.submit_time = time.monotonic()
+            req.metrics.submit_step = self._current_step()
             try:
                 if self._validate is not None:
                     self._validate(req)
