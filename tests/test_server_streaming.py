@@ -127,3 +127,38 @@ def test_guarded_closed_early_cancels_the_job_and_closes_the_events():
     done.is_done = True
     asyncio.run(read_one(done))
     assert done.cancelled == []  # a finished job is left alone
+
+
+def test_tokens_without_text_are_still_chunks(tiny_llama_path, tmp_path):
+    """A model whose every token is a special one (skipped from the text): the stream has one
+    chunk per token all the same (with empty text, as vLLM sends them), so a client's first
+    chunk never waits for visible text."""
+    import torch
+    from fastapi.testclient import TestClient
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from lmengine import Engine, EngineConfig
+    from lmengine.serve.app import ServerSettings, build_app
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_path)
+    with torch.no_grad():
+        model.lm_head.weight.zero_()  # equal logits: greedy takes token 0, a special token
+    model.save_pretrained(tmp_path)
+    AutoTokenizer.from_pretrained(tiny_llama_path).save_pretrained(tmp_path)
+    engine = Engine.from_pretrained(str(tmp_path), EngineConfig(num_gpu_blocks=64))
+    body = {"model": "tiny", "max_tokens": 4, "ignore_eos": True, "stream": True, "temperature": 0}
+    with TestClient(build_app(engine, ServerSettings(model_name="tiny"))) as http:
+        with http.stream("POST", "/v1/completions", json={**body, "prompt": "Hi"}) as r:
+            events = [line for line in r.iter_lines() if line]
+        *chunks, done = [
+            json.loads(e[len("data: ") :]) if e != "data: [DONE]" else e for e in events
+        ]
+        assert done == "data: [DONE]"
+        assert [c["choices"][0]["text"] for c in chunks] == ["", "", "", ""]
+        assert [c["choices"][0]["finish_reason"] for c in chunks] == [None, None, None, "length"]
+
+        chat = {**body, "messages": [{"role": "user", "content": "Hi"}]}
+        with http.stream("POST", "/v1/chat/completions", json=chat) as r:
+            events = [line for line in r.iter_lines() if line]
+        deltas = [json.loads(e[len("data: ") :])["choices"][0]["delta"] for e in events[:-1]]
+        assert deltas == [{"role": "assistant", "content": ""}] + [{"content": ""}] * 4

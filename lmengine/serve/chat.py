@@ -148,11 +148,10 @@ def _stream(
             extra["prompt_logprobs"] = vllm_prompt_logprobs(
                 job.choices[i].input_ids, resp, body.prompt_logprobs, client.token_text
             )
-        if not (
-            delta or calls or resp.finish_reason or (logprobs and logprobs["content"]) or extra
-        ):
+        new_tokens = len(resp.token_ids) > start  # NOTE: a chunk even without text (completions)
+        if not (delta or new_tokens or calls or resp.finish_reason or extra):
             return None
-        message = {"content": delta} if delta else {}
+        message = {"content": delta} if delta or (new_tokens and not calls) else {}
         if calls:
             message["tool_calls"] = calls
         return shape.chunk(i, delta=message, logprobs=logprobs, finish_reason=reason, **extra)

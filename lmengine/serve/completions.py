@@ -151,7 +151,10 @@ def _stream(client: EngineClient, job: Job, body: CompletionRequest, echo) -> As
                 extra["prompt_logprobs"] = vllm_prompt_logprobs(
                     c.input_ids, resp, body.prompt_logprobs, client.token_text
                 )
-        if not (delta or resp.finish_reason or logprobs or extra):
+        # NOTE: a token without text yet (a special token, part of a character) is still a
+        # chunk, as vLLM sends it: a client's first chunk must not wait for visible text
+        new_tokens = len(resp.token_ids) > start
+        if not (delta or new_tokens or resp.finish_reason or logprobs or extra):
             return None
         return shape.chunk(
             i, text=delta, logprobs=logprobs, finish_reason=finish_reason(resp), **extra
