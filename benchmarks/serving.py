@@ -292,13 +292,18 @@ def compare_inprocess(args, engine_flags, messages, max_tokens, loads, slo_s):
     """Each load in-process (EngineInstance.stream_infer) and then over HTTP."""
     from lmengine import Engine, EngineConfig
     from lmengine.api import chat_token_ids
+    from lmengine.serve.server import SERVE_ENGINE_DEFAULTS
 
     num = len(messages)
     rows = []
     print(f"in-process: loading {args.model or 'the default model'}", file=sys.stderr)
     engine = Engine.from_pretrained(
         args.model,
-        EngineConfig(max_batch_size=args.max_batch_size, num_threads=args.num_threads),
+        EngineConfig(  # the server's own defaults, so both sides schedule alike
+            **SERVE_ENGINE_DEFAULTS,
+            max_batch_size=args.max_batch_size,
+            num_threads=args.num_threads,
+        ),
     )
     try:
         prompts = [chat_token_ids(engine.tokenizer, m) for m in messages]

@@ -103,14 +103,14 @@ def build_dataclass(cls, args: argparse.Namespace, defaults=None):
     return cls(**values)
 
 
-def add_model_flags(parser: argparse.ArgumentParser) -> None:
-    """`--model` and one flag per `EngineConfig` field."""
+def add_model_flags(parser: argparse.ArgumentParser, defaults: dict | None = None) -> None:
+    """`--model` and one flag per `EngineConfig` field (`defaults`: a command's own)."""
     parser.add_argument(
         "--model",
         default=None,
         help="checkpoint folder, hub id or .gguf file (default: SmolLM2-135M-Instruct)",
     )
-    add_dataclass_flags(parser, EngineConfig, "engine options")
+    add_dataclass_flags(parser, EngineConfig, "engine options", defaults)
 
 
 # ---- paths named by flags -----------------------------------------------------------------------

@@ -210,6 +210,29 @@ def test_chat_stream_equals_nonstream_and_usage(client, model):
     assert chunks[-1].choices == [] and chunks[-1].usage.model_dump() == whole.usage.model_dump()
 
 
+PHASES = ["prepare", "inbox", "queue_time", "prefill_time", "handoff"]
+
+
+def test_time_to_first_token_is_split_into_its_phases(server, client, model):
+    """/metrics splits each choice's time to first token into consecutive phases (HTTP and
+    tokenizing, the engine's inbox, its queue, the prefill, the hand-off back): per choice
+    one sample each, and together they are the time to first token."""
+    wait_idle(server)
+    before = metrics(server)
+    client.completions.create(model=model, prompt=["Once upon", "a time"], n=2, **GREEDY)
+    after = metrics(server)
+
+    def delta(name: str) -> float:
+        return after[name] - before[name]
+
+    assert delta("lmengine_time_to_first_token_seconds_count") == 4
+    for phase in PHASES:
+        assert delta(f"lmengine_request_{phase}_seconds_count") == 4, phase
+    parts = sum(delta(f"lmengine_request_{phase}_seconds_sum") for phase in PHASES)
+    assert parts == pytest.approx(delta("lmengine_time_to_first_token_seconds_sum"), abs=1e-6)
+    assert delta("lmengine_request_prefill_time_seconds_sum") > 0
+
+
 def test_completion_stream_equals_nonstream(client, model):
     whole = client.completions.create(model=model, prompt="Once upon a time", **GREEDY)
     chunks = list(

@@ -68,7 +68,7 @@ async def create_chat_completion(
         for cfg in configs:
             cfg.max_new_tokens = max(1, client.session_len - len(ids))
             cfg.min_new_tokens = min(cfg.min_new_tokens, cfg.max_new_tokens)
-    job = client.new_job(endpoint)
+    job = client.new_job(endpoint, request)
     client.submit(job, [ids] * body.n, configs, adapter, body.priority, body.user_id or body.user)
     return await run_job(
         job,

@@ -16,6 +16,7 @@ from lmengine.config import GenerationConfig
 from lmengine.engine.request import AddRequest, RequestError, Response
 from lmengine.serve.errors import APIError, engine_error
 from lmengine.serve.jobs import Job, ResponseRouter
+from lmengine.serve.limits import received_at
 from lmengine.serve.logprobs import TokenTexts
 from lmengine.serve.metrics import ServerMetrics
 from lmengine.serve.settings import ServerSettings
@@ -109,8 +110,8 @@ class EngineClient:
         if not self.engine.is_alive:
             raise APIError(503, "the engine is not running", "service_unavailable")
 
-    def new_job(self, endpoint: str) -> Job:
-        """An empty Job for one HTTP request; 503 when shutting down or the engine is gone."""
+    def new_job(self, endpoint: str, request=None) -> Job:
+        """An empty Job for the HTTP `request`; 503 when shutting down or the engine is gone."""
         self.check_engine()
         return Job(
             self.engine,
@@ -118,6 +119,7 @@ class EngineClient:
             self.metrics,
             endpoint,
             self.settings.request_timeout or None,
+            received_at(request) if request is not None else None,
         )
 
     def submit(

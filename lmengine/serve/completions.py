@@ -51,7 +51,7 @@ async def create_completion(
     configs = gen_configs(
         body, len(ids), body.max_tokens, body.logprobs, client.session_len, max(asked, default=None)
     )
-    job = client.new_job(endpoint)
+    job = client.new_job(endpoint, request)
     client.submit(
         job,
         [p for p in ids for _ in range(body.n)],

@@ -3,6 +3,8 @@ parsed (from its Content-Length, or as soon as a chunked body passes the limit).
 
 from __future__ import annotations
 
+import time
+
 from starlette.responses import JSONResponse
 
 from lmengine.serve.errors import APIError
@@ -24,6 +26,8 @@ class BodyLimit:
         self.app, self.limit, self.metrics = app, limit, metrics
 
     async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":  # where a request's time starts (`received_at`)
+            scope.setdefault("state", {})["received"] = time.monotonic()
         if scope["type"] != "http" or self.limit <= 0:
             return await self.app(scope, receive, send)
         declared = dict(scope.get("headers") or []).get(b"content-length")
@@ -50,6 +54,11 @@ class BodyLimit:
         err = too_large(self.limit)
         self.metrics.count_error(err.status)
         await JSONResponse(err.body(), status_code=err.status)(scope, receive, send)
+
+
+def received_at(request) -> float | None:
+    """When the server first saw `request` (time.monotonic()), before reading its body."""
+    return getattr(request.state, "received", None)
 
 
 def _replay(messages: list[dict], then=None):

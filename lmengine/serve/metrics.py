@@ -24,6 +24,19 @@ ENGINE_GAUGES = {
 }
 
 
+# the phases of a request's time to first token, in order; each ends where the next begins
+FIRST_TOKEN_PHASES = {
+    "prepare": "from the HTTP request's arrival to its submission to the engine: reading and "
+    "validating the body, templating, tokenizing",
+    "inbox": "from submission until the engine loop takes the request (the end of the step "
+    "running then)",
+    "queue_time": "from the engine loop taking the request to its first step",
+    "prefill_time": "from its first step to its first token (one step per prefill chunk)",
+    "handoff": "from its first token to the server's event loop (the rest of that step's "
+    "output stage, the hand-off between threads)",
+}
+
+
 def _name(text: str) -> str:
     return "".join(c if c.isalnum() or c == "_" else "_" for c in str(text))
 
@@ -74,6 +87,23 @@ class ServerMetrics:
             "lmengine_time_per_output_token_seconds", "mean time per output token after the first"
         )
         self.e2e = Histogram("lmengine_e2e_request_latency_seconds", "end-to-end request latency")
+        # where the time to first token went, phase by phase (see `observe_first_token`)
+        self.phases = {
+            name: Histogram(f"lmengine_request_{name}_seconds", help_text)
+            for name, help_text in FIRST_TOKEN_PHASES.items()
+        }
+
+    def observe_first_token(self, received: float, m, now: float) -> None:
+        """The phases of one choice's wait for its first token, from the HTTP request's
+        arrival (`received`), its RequestMetrics `m` and its arrival on the event loop
+        (`now`); all times of time.monotonic()."""
+        if m is None or m.first_token_time is None or m.arrival_time is None:
+            return
+        ends = (m.submit_time, m.arrival_time, m.first_scheduled_time, m.first_token_time, now)
+        start = received
+        for hist, end in zip(self.phases.values(), ends):
+            hist.observe(end - start)
+            start = end
 
     def count_request(self, endpoint: str, finish_reason: str) -> None:
         key = (endpoint, finish_reason)
@@ -125,7 +155,7 @@ class ServerMetrics:
         ]
         for status, n in sorted(self.http_errors.items()):
             lines.append(f'lmengine_http_errors_total{{status="{status}"}} {n}')
-        for hist in (self.ttft, self.tpot, self.e2e):
+        for hist in (self.ttft, self.tpot, self.e2e, *self.phases.values()):
             lines += hist.render()
         return "\n".join(lines) + "\n"
 

@@ -98,7 +98,7 @@ async def interactive_turn(
     history_tokens = session["num_tokens"]
     max_tokens = min(body.request_output_len, max(1, client.session_len - len(ids)))
     cfg = interactive_gen_config(body, max_tokens)
-    job = client.new_job("interactive_qos")
+    job = client.new_job("interactive_qos", request)
     client.submit(job, [ids], [cfg], None, body.priority, body.user_id)
     if sid >= 0:
         session["job"] = job

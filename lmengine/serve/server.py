@@ -18,12 +18,19 @@ import sys
 from lmengine.flags import add_model_flags, build_dataclass, model_load_errors
 from lmengine.serve.tools import TOOL_PARSERS
 
+# NOTE: a server's steps carry fewer prompt tokens than offline generation's (4096), as
+# vLLM's server budgets fewer tokens per step than its offline LLM: a burst of prompts then
+# gets its first tokens in turns rather than all after one long step, and running streams
+# wait less between tokens. Measured in docs/serving_latency.md; `--max-prefill-token-num`
+# sets it.
+SERVE_ENGINE_DEFAULTS = {"max_prefill_token_num": 1024}
+
 
 def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "model_path", nargs="?", default=None, help="the model (same as --model)", metavar="MODEL"
     )
-    add_model_flags(parser)
+    add_model_flags(parser, SERVE_ENGINE_DEFAULTS)
     g = parser.add_argument_group("server options")
     g.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     g.add_argument("--port", type=int, default=23333, help="port (default: 23333)")
@@ -110,7 +117,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from lmengine.serve.app import ServerSettings, build_app
 
     model = args.model_path or args.model
-    engine_config = build_dataclass(EngineConfig, args)
+    engine_config = build_dataclass(EngineConfig, args, SERVE_ENGINE_DEFAULTS)
     template = None
     if args.chat_template:
         with open(args.chat_template, encoding="utf-8") as f:
