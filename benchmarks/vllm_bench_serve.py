@@ -26,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -68,9 +69,7 @@ def run_client(vllm_python: str, url: str, tokenizer: str, load: list[str], out:
 
 
 def start_vllm(vllm_python: str, hf_model: str) -> tuple[subprocess.Popen, str]:
-    """`vllm serve` in float32 on every core, as ../peers set it up; returns once healthy."""
-    import httpx
-
+    """`vllm serve` in float32 on every core; returns once healthy."""
     port = free_port()
     cpus = os.cpu_count() or 1
     env = {
@@ -93,9 +92,10 @@ def start_vllm(vllm_python: str, hf_model: str) -> tuple[subprocess.Popen, str]:
         if proc.poll() is not None:
             raise RuntimeError(f"vllm serve exited; its log: {log.name}")
         try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
+            with urllib.request.urlopen(url + "/health", timeout=1) as r:
+                if r.status == 200:
+                    return proc, url
+        except OSError:
             pass
         time.sleep(1)
     proc.kill()
@@ -104,10 +104,10 @@ def start_vllm(vllm_python: str, hf_model: str) -> tuple[subprocess.Popen, str]:
 
 def phase_sums(url: str) -> dict[str, float]:
     """lmengine's first-token phase histograms: {'<phase>_sum'|'<phase>_count': value}."""
-    import httpx
-
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
     out = {}
-    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+    for line in text.splitlines():
         for phase in PHASES:
             for part in ("sum", "count"):
                 prefix = f"lmengine_request_{phase}_seconds_{part} "

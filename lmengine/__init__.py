@@ -15,6 +15,7 @@ _EXPORTS = {
     "EngineInstance": "lmengine.engine.instance",
     "GenerationConfig": "lmengine.config",
     "Pipeline": "lmengine.api",
+    "RequestMetrics": "lmengine.engine.request",
     "Response": "lmengine.engine.request",
     "Score": "lmengine.api",
     "SpeculativeConfig": "lmengine.config",
