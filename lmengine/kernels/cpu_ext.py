@@ -31,6 +31,7 @@ _SOURCES = [
         "rotary_ops.cpp",
         "gemv_ops.cpp",
         "layer_ops.cpp",
+        "gguf_ops.cpp",
     )
 ]
 _HEADERS = [_CSRC / "vec_math.h"]  # included by the sources: part of the build's hash

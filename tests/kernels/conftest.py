@@ -12,6 +12,8 @@ import os
 
 import pytest
 
+from lmengine.kernels import cpu_ext
+
 # NOTE: before anything imports triton (torch does not import it at module import)
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -41,3 +43,14 @@ def triton_device() -> str:
 def triton_interpreted(triton_device: str) -> bool:
     """True when the Triton kernels run in the interpreter (CPU tensors)."""
     return triton_device == "cpu"
+
+
+@pytest.fixture(params=["compiled", "eager"])
+def cpu_path(request, monkeypatch):
+    """Run a CPU test through the compiled kernels (csrc/*.cpp), then through the eager
+    torch fallback used where they are not built."""
+    if request.param == "compiled":
+        assert cpu_ext.load() is not None, "the compiled CPU kernels did not build"
+    else:
+        monkeypatch.setattr(cpu_ext, "load", lambda: None)
+    return request.param

@@ -9,7 +9,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lmengine.kernels import cpu_ext
 from lmengine.kernels.rms_norm import rms_norm_ref
 from lmengine.kernels.w8a8 import (
     int8_gemm,
@@ -28,17 +27,6 @@ EPS = 1e-6
 ROW_SHAPES = [(1, 8), (5, 100), (3, 256)]  # one row, hidden not a power of two, typical
 # (M, N, K): one row (decode), M not a multiple of the tile, K not a multiple of BLOCK_K
 GEMM_SHAPES = [(1, 48, 64), (5, 70, 100), (33, 130, 200)]
-
-
-@pytest.fixture(params=["compiled", "eager"])
-def cpu_path(request, monkeypatch):
-    """Run a CPU test through the compiled kernels (csrc/w8a8_ops.cpp), then through the eager
-    torch fallback used where they are not built."""
-    if request.param == "compiled":
-        assert cpu_ext.load() is not None, "the compiled CPU kernels did not build"
-    else:
-        monkeypatch.setattr(cpu_ext, "load", lambda: None)
-    return request.param
 
 
 def _rows(shape, dtype=torch.float32, seed=0) -> torch.Tensor:

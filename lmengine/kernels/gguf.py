@@ -1,0 +1,90 @@
+"""Linear layers on GGUF's quantized blocks (Q4_0, Q4_1, Q8_0), weight-only.
+
+A weight stays as GGUF stores it: uint8 [N, K / 32 * bytes per block], each row a run of
+blocks of 32 weights (layouts in kernels/csrc/gguf_ops.cpp). Activations stay float32 and every
+weight is unpacked to exactly the float32 value `gguf.quants.dequantize` gives it, so a model
+computes with the weights of its float32 expansion.
+
+- `gguf_linear(x, blocks, qtype, k, bias)`: up to 8 rows (decode) through the compiled
+  `gguf_gemv`, which unpacks blocks in registers and reads 5-6x fewer bytes than a float32
+  GEMV; more rows expand the weight to float32 first and run a float32 GEMM.
+- `dequantize_ref`: the same expansion in PyTorch, the fallback where the compiled kernels are
+  not built and the reference of the tests (themselves checked against the gguf package).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from lmengine.kernels import cpu_ext
+
+BLOCK = 32  # weights per block
+# ggml's type ids (gguf.GGMLQuantizationType) -> bytes per block
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+QTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
+_NAMES = {v: k for k, v in QTYPES.items()}
+MAX_GEMV_ROWS = 8
+
+
+def check_qtype(qtype: int, k: int, row_bytes: int | None = None) -> str:
+    """The type's name; ValueError naming an unsupported type (and the supported ones) or a
+    row length that does not fit it."""
+    name = _NAMES.get(qtype)
+    if name is None:
+        supported = ", ".join(f"{n} ({i})" for n, i in QTYPES.items())
+        raise ValueError(f"GGUF quantization type {qtype} is not supported: {supported}")
+    if k <= 0 or k % BLOCK:
+        raise ValueError(f"GGUF {name}: rows must hold a multiple of {BLOCK} weights, got {k}")
+    if row_bytes is not None and row_bytes != k // BLOCK * BLOCK_BYTES[name]:
+        raise ValueError(
+            f"GGUF {name}: a row of {k} weights takes {k // BLOCK * BLOCK_BYTES[name]} bytes, "
+            f"got {row_bytes}"
+        )
+    return name
+
+
+def dequantize_ref(blocks: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
+    """uint8 blocks [N, row bytes] holding rows of `k` weights -> float32 [N, k]."""
+    name = check_qtype(qtype, k, blocks.shape[-1])
+    n = blocks.shape[0]
+    b = blocks.reshape(n, k // BLOCK, BLOCK_BYTES[name])
+    d = b[..., 0:2].contiguous().view(torch.float16).float()  # [n, blocks, 1]
+    if name == "Q8_0":
+        q = b[..., 2:].contiguous().view(torch.int8).float()
+        w = q * d
+    else:
+        qs = b[..., 4:] if name == "Q4_1" else b[..., 2:]
+        q = torch.cat([qs & 0x0F, qs >> 4], dim=-1).float()  # weights 0-15, then 16-31
+        if name == "Q4_0":
+            w = (q - 8.0) * d
+        else:
+            w = q * d + b[..., 2:4].contiguous().view(torch.float16).float()
+    return w.reshape(n, k)
+
+
+def dequantize(blocks: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
+    """`dequantize_ref`'s result, by the compiled kernel when it is built."""
+    module = cpu_ext.load() if blocks.device.type == "cpu" else None
+    if module is None:
+        return dequantize_ref(blocks, qtype, k)
+    check_qtype(qtype, k, blocks.shape[-1])
+    return module.gguf_dequantize(blocks.contiguous(), qtype, k)
+
+
+def gguf_linear(
+    x: torch.Tensor,
+    blocks: torch.Tensor,
+    qtype: int,
+    k: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x float32 [M, k] -> [M, N] = x @ dequantize(blocks)^T (+ bias)."""
+    check_qtype(qtype, k, blocks.shape[-1])
+    if x.shape[-1] != k:
+        raise ValueError(f"gguf_linear: x has {x.shape[-1]} features, the weight {k}")
+    rows = x.shape[0]
+    module = cpu_ext.load() if x.device.type == "cpu" else None
+    if module is not None and 1 <= rows <= MAX_GEMV_ROWS and x.dtype == torch.float32:
+        return module.gguf_gemv(x.contiguous(), blocks.contiguous(), qtype, bias)
+    return F.linear(x, dequantize(blocks, qtype, k).to(x.dtype), bias)

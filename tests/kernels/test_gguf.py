@@ -1,0 +1,71 @@
+"""GGUF block kernels (Q4_0, Q4_1, Q8_0) against the `gguf` package's own quantization and
+dequantization: the expansion to float32 is bit for bit the package's, in the compiled kernel
+and in the PyTorch reference; the weight-only GEMV equals x @ expansion^T up to float32
+summation order; bad types and row lengths are clear errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from lmengine.kernels import cpu_ext
+from lmengine.kernels.gguf import QTYPES, dequantize, dequantize_ref, gguf_linear
+
+gguf = pytest.importorskip("gguf")
+TYPES = list(QTYPES)
+SHAPES = [(40, 96), (96, 576), (7, 32)]  # (N, K): small, SmolLM2's hidden size, one block
+
+
+def quantized(name: str, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random weights quantized by the gguf package: (uint8 blocks [n, row bytes], the
+    package's float32 expansion [n, k])."""
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((n, k)).astype(np.float32) * 0.05
+    w[:, 3] += 0.5  # an outlier column: blocks with different scales and minima
+    qtype = getattr(gguf.GGMLQuantizationType, name)
+    data = gguf.quants.quantize(w, qtype)
+    expanded = gguf.quants.dequantize(data, qtype).astype(np.float32)
+    return torch.from_numpy(np.ascontiguousarray(data)), torch.from_numpy(expanded)
+
+
+@pytest.mark.parametrize("name", TYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_expansion_is_the_gguf_packages_bit_for_bit(name, shape, cpu_path):
+    n, k = shape
+    blocks, expected = quantized(name, n, k)
+    assert blocks.shape == (n, k // 32 * {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[name])
+    assert torch.equal(dequantize_ref(blocks, QTYPES[name], k), expected)
+    assert torch.equal(dequantize(blocks, QTYPES[name], k), expected)
+
+
+@pytest.mark.parametrize("name", TYPES)
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 9, 33])  # 9 and 33: past the GEMV
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_equals_the_expanded_weights(name, rows, with_bias, cpu_path):
+    n, k = 96, 576
+    blocks, expanded = quantized(name, n, k, seed=rows)
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, k, generator=gen)
+    bias = torch.randn(n, generator=gen) if with_bias else None
+    got = gguf_linear(x, blocks, QTYPES[name], k, bias)
+    ref = x.double() @ expanded.double().T + (bias.double() if with_bias else 0)
+    # float32 sums of 576 products in another order than the float64 reference
+    torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-4)
+
+
+def test_unsupported_type_and_bad_rows_are_clear_errors():
+    blocks, _ = quantized("Q4_1", 4, 64)
+    q4_k = int(gguf.GGMLQuantizationType.Q4_K)
+    with pytest.raises(ValueError, match=r"type 12 is not supported: Q4_0 \(2\), Q4_1 \(3\), Q8_0"):
+        dequantize_ref(blocks, q4_k, 64)
+    with pytest.raises(ValueError, match="a row of 64 weights takes 40 bytes, got 20"):
+        dequantize_ref(blocks[:, :20], QTYPES["Q4_1"], 64)
+    with pytest.raises(ValueError, match="multiple of 32 weights, got 48"):
+        gguf_linear(torch.randn(1, 48), blocks, QTYPES["Q4_1"], 48)
+    module = cpu_ext.load()
+    if module is not None:  # the compiled kernels check on their own too
+        with pytest.raises(RuntimeError, match="type 12 are not supported"):
+            module.gguf_dequantize(blocks, q4_k, 64)
+        with pytest.raises(RuntimeError, match="1 to 8 rows, got 9"):
+            module.gguf_gemv(torch.randn(9, 64), blocks, QTYPES["Q4_1"])
