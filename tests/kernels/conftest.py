@@ -12,10 +12,10 @@ import os
 
 import pytest
 
-from lmengine.kernels import cpu_ext
-
 # NOTE: before anything imports triton (torch does not import it at module import)
 os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from lmengine.kernels import cpu_ext  # noqa: E402  (after TRITON_INTERPRET is set)
 
 
 def _triton_interpret() -> bool:
