@@ -128,3 +128,35 @@ def test_smollm2_prompt_logprobs_and_hidden_states_equal_transformers(smol_case)
             h = r.hidden_states[layer]
             assert h.shape[0] == len(prompt) + len(r.token_ids) - 1
             torch.testing.assert_close(h, hidden[layer][: h.shape[0]], rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.slow
+def test_smollm2_on_its_gguf_blocks_matches_transformers(smol_case):
+    """quant_policy="gguf": the default model computes on its file's Q4_1 blocks (weight-only,
+    float32 activations), which expand bit for bit to the float32 weights transformers runs:
+    the same greedy tokens, batched from threads (GEMV rows and larger GEMMs alike)."""
+    _, prompts, expected = smol_case
+    engine = Engine.from_pretrained(None, EngineConfig(num_gpu_blocks=512, quant_policy="gguf"))
+    try:
+        kinds = {type(m).__name__ for m in engine.model_agent.runner.model.modules()}
+        assert "GGUFLinear" in kinds
+        got = run_threads(
+            engine, prompts, GenerationConfig(max_new_tokens=NEW_TOKENS), stagger_s=0.02
+        )
+        for i, (r, exp) in enumerate(zip(got, expected)):
+            assert r.token_ids == exp, f"prompt {i} differs"
+        engine.check_integrity()
+    finally:
+        engine.close()
+
+
+def test_gguf_policy_needs_a_gguf_model(tiny_llama_path):
+    with pytest.raises(ValueError, match="needs a model loaded from a .gguf file"):
+        Engine.from_pretrained(tiny_llama_path, EngineConfig(quant_policy="gguf"))
+
+
+def test_gguf_policy_refuses_what_it_cannot_do_yet():
+    with pytest.raises(ValueError, match="quant_policy='gguf' does not support LoRA adapters"):
+        Engine.from_pretrained(None, EngineConfig(quant_policy="gguf", adapters={"a": "/x"}))
+    with pytest.raises(ValueError, match="tp > 1 with quant_policy='gguf' is not supported"):
+        Engine.from_pretrained(None, EngineConfig(quant_policy="gguf", tp=2, device="cpu"))

@@ -174,6 +174,11 @@ class TPModelAgent(ModelAgent):
         from lmengine.quant.w8a8 import read_quant_config
 
         is_w8a8 = read_quant_config(resolve_model_path(model_path)) is not None
+        if cfg.quant_policy == "gguf":
+            raise ValueError(
+                "tp > 1 with quant_policy='gguf' is not supported yet: the blocks are not "
+                "sharded; use tp=1, or the float32 expansion (no quant_policy) with tp > 1"
+            )
         if cfg.quant_policy is not None and not is_w8a8:
             raise ValueError(
                 f"tp > 1 with quant_policy={cfg.quant_policy!r} on a float checkpoint is not "

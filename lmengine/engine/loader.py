@@ -130,6 +130,22 @@ def pick_dtype(dtype: str, device: torch.device, config) -> torch.dtype:
     return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
 
 
+def gguf_source(model_path: str | None) -> Path | None:
+    """The .gguf file a model path is converted from (None: not a GGUF model): the file
+    itself, a folder holding only a GGUF file, or the default model when it is read offline."""
+    if model_path in (None, "", "default", DEFAULT_MODEL_ID):
+        if resolve_model_path(model_path) == DEFAULT_MODEL_ID:
+            return None  # from the hub: a float checkpoint
+        return default_gguf_path()
+    path = Path(model_path)
+    if path.is_file() and path.suffix == ".gguf":
+        return path
+    if path.is_dir() and not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
+        ggufs = sorted(path.glob("*.gguf"))
+        return ggufs[0] if ggufs else None
+    return None
+
+
 def load_model_and_tokenizer(
     model_path: str | None, dtype: str, device: str, trust_remote_code=False
 ):
@@ -149,5 +165,7 @@ def load_model_and_tokenizer(
             path, dtype=torch_dtype, trust_remote_code=trust_remote_code
         )
     model.to(dev).eval().requires_grad_(False)
+    source = gguf_source(model_path)
+    model.lmengine_gguf_file = str(source) if source is not None else None  # quant_policy="gguf"
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     return model, tokenizer, path, dev

@@ -228,8 +228,8 @@ def check_engine_support(engine_config) -> None:
         raise ValueError("quant_policy='w8a8' does not support LoRA adapters yet")
 
 
-def apply_quant_policy(model: nn.Module, engine_config) -> nn.Module:
-    """Called by the ModelAgent right after patching.
+def apply_w8a8_policy(model: nn.Module, engine_config) -> nn.Module:
+    """W8A8, by `apply_quant_policy`.
 
     - a w8a8 checkpoint (from `lmengine quantize w8a8`) loads its int8 weights, whatever
       `quant_policy` says;

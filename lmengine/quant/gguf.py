@@ -1,0 +1,96 @@
+"""`quant_policy="gguf"`: a model loaded from a GGUF file computes with the file's own blocks.
+
+After patching, every decoder linear (merged ones too) whose weights the file stores as Q4_0,
+Q4_1 or Q8_0 becomes a `GGUFLinear` holding those blocks instead of their float32 expansion.
+Before it replaces a linear, the blocks' expansion is compared with the linear's float weight
+bit for bit, so a file that does not match the checkpoint is an error, never a silently
+different model. Embeddings, norms and the LM head stay in floating point.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from lmengine.engine.gguf_blocks import GGUFWeight, read_gguf_blocks
+from lmengine.kernels.gguf import gguf_linear
+from lmengine.models.layers import MergedLinear, PackedLinear
+
+logger = logging.getLogger("lmengine")
+
+
+class GGUFLinear(nn.Module):
+    """y = x @ W.T (+ b), W as GGUF blocks uint8 [out, row bytes] of one type; float32 x.
+    Keeps `source_names` / `output_sizes` / `split` of the (Merged)PackedLinear it replaces."""
+
+    def __init__(self, weight: GGUFWeight, bias, source_names=None, output_sizes=None) -> None:
+        super().__init__()
+        self.in_features = weight.in_features
+        self.out_features = weight.out_features
+        self.qtype = weight.qtype
+        self.register_buffer("blocks", weight.blocks)
+        self.register_buffer("bias", None if bias is None else bias.detach().clone())
+        self.source_names = source_names
+        self.output_sizes = output_sizes or [self.out_features]
+
+    def split(self, out: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return out.split_with_sizes(self.output_sizes, dim=-1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return gguf_linear(x, self.blocks, self.qtype, self.in_features, self.bias)
+
+
+def _blocks_for(name: str, module: PackedLinear, blocks: dict[str, GGUFWeight]):
+    """The GGUFWeight of the linear `name` (its parts' blocks stacked for a MergedLinear),
+    or None when the file has no blocks for it (or parts of different types)."""
+    if isinstance(module, MergedLinear):
+        parent = name.rsplit(".", 1)[0]
+        parts = [blocks.get(f"{parent}.{source}.weight") for source in module.source_names]
+    else:
+        parts = [blocks.get(f"{name}.weight")]
+    if any(p is None for p in parts) or len({p.qtype for p in parts}) != 1:
+        return None
+    stacked = torch.cat([p.blocks for p in parts]) if len(parts) > 1 else parts[0].blocks
+    return GGUFWeight(stacked, parts[0].qtype, parts[0].in_features)
+
+
+def apply_gguf(model: nn.Module, gguf_file: str) -> nn.Module:
+    """Replace the patched model's linears by GGUFLinears over `gguf_file`'s blocks."""
+    blocks = read_gguf_blocks(gguf_file)
+    replaced = 0
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, PackedLinear) or name.endswith("lm_head"):
+            continue
+        weight = _blocks_for(name, module, blocks)
+        if weight is None:
+            continue
+        if not torch.equal(weight.dequantize(), module.weight.detach().float()):
+            raise ValueError(
+                f"{gguf_file}: the blocks of {name} do not expand to the loaded weights: the "
+                "file is not the one this checkpoint was converted from"
+            )
+        new = GGUFLinear(
+            weight,
+            module.bias,
+            getattr(module, "source_names", None),
+            getattr(module, "output_sizes", None),
+        )
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+        replaced += 1
+    if replaced == 0:
+        raise ValueError(f"{gguf_file}: no linear of the model is stored as Q4_0, Q4_1 or Q8_0")
+    logger.info("quant_policy='gguf': %d linears compute on %s's blocks", replaced, gguf_file)
+    return model
+
+
+def check_engine_support(engine_config, gguf_file: str | None) -> None:
+    """What quant_policy='gguf' cannot do yet, said at build."""
+    if gguf_file is None:
+        raise ValueError(
+            "quant_policy='gguf' needs a model loaded from a .gguf file (or the default model)"
+        )
+    if engine_config.adapters:
+        raise ValueError("quant_policy='gguf' does not support LoRA adapters yet")
