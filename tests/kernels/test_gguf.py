@@ -42,13 +42,16 @@ def test_expansion_is_the_gguf_packages_bit_for_bit(name, shape, cpu_path):
 @pytest.mark.parametrize("name", TYPES)
 @pytest.mark.parametrize("rows", [1, 2, 5, 8, 9, 33])  # 9 and 33: past the GEMV
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_linear_equals_the_expanded_weights(name, rows, with_bias, cpu_path):
-    n, k = 96, 576
+@pytest.mark.parametrize("inference", [False, True])
+def test_linear_equals_the_expanded_weights(name, rows, with_bias, inference, cpu_path):
+    """Also under torch.inference_mode, as the engine runs it."""
+    n, k = 1000, 576
     blocks, expanded = quantized(name, n, k, seed=rows)
     gen = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, k, generator=gen)
     bias = torch.randn(n, generator=gen) if with_bias else None
-    got = gguf_linear(x, blocks, QTYPES[name], k, bias)
+    with torch.inference_mode(inference):
+        got = gguf_linear(x, blocks, QTYPES[name], k, bias)
     ref = x.double() @ expanded.double().T + (bias.double() if with_bias else 0)
     # float32 sums of 576 products in another order than the float64 reference
     torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-4)
