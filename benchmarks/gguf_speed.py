@@ -67,14 +67,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--force", action="store_true", help="run even if the CPUs are busy")
     args = p.parse_args(argv)
-    from lmengine.bench.report import busy_fraction, cpu_model
+    from lmengine.bench.report import check_idle, cpu_model
 
     rows = []
     for round_ in range(1, args.rounds + 1):
         for policy in (None, "gguf"):
-            busy = busy_fraction()
-            if busy > 0.1 and not args.force:
-                sys.exit(f"the CPUs are {busy:.0%} busy: the figures would be wrong (--force)")
+            check_idle(args.force)
             decode, batch = measure(policy)
             name = "Q4_1 blocks" if policy else "float32 expansion"
             rows.append((round_, name, decode, batch))

@@ -37,7 +37,7 @@ import torch
 
 from lmengine.api import Pipeline
 from lmengine.bench.prompts import chat_ids, read_lines
-from lmengine.bench.report import busy_fraction, cpu_model
+from lmengine.bench.report import busy_fraction, check_idle, cpu_model
 from lmengine.config import EngineConfig, GenerationConfig, SteeringVector
 from lmengine.engine.engine import Engine
 from lmengine.engine.loader import resolve_model_path
@@ -48,15 +48,6 @@ PROMPTS = Path(__file__).resolve().parents[1] / "lmengine" / "data" / "prompts.t
 
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
-
-
-def check_idle(force: bool) -> None:
-    busy = busy_fraction()
-    if busy > 0.1:
-        message = f"the CPUs are {busy:.0%} busy: the figures would be wrong"
-        if not force:
-            sys.exit(f"{message} (--force to run anyway)")
-        log(f"WARNING: {message}")
 
 
 def report_header() -> dict:

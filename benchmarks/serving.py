@@ -30,6 +30,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -211,38 +212,48 @@ async def run_http(
         return samples, time.perf_counter() - start
 
 
-def start_server(model: str | None, engine_flags: list[str]) -> tuple[subprocess.Popen, str]:
-    try:
-        import httpx2 as httpx
-    except ImportError:
-        import httpx
+def wait_ready(proc: subprocess.Popen, ready, timeout: float, failed) -> None:
+    """Poll `ready()` (True once the process serves) until it holds; RuntimeError with
+    `failed(why)` when `proc` exits first or `timeout` seconds pass (then it is killed)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(failed(f"exited with {proc.returncode}"))
+        if ready():
+            return
+        time.sleep(0.25)
+    proc.kill()
+    raise RuntimeError(failed(f"did not start within {timeout:g} s"))
 
+
+def http_ok(url: str, check=None) -> bool:
+    """GET `url` answers 200 (and `check(json)` holds, when given); False on any failure."""
+    try:
+        with urllib.request.urlopen(url, timeout=1) as r:
+            return r.status == 200 and (check is None or check(json.loads(r.read())))
+    except (OSError, ValueError):
+        return False
+
+
+def start_server(model: str | None, engine_flags: list[str]) -> tuple[subprocess.Popen, str]:
     port = free_port()
     cmd = [sys.executable, "-m", "lmengine", "serve", *([model] if model else [])]
     cmd += ["--port", str(port), *engine_flags]
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"
-    for _ in range(1200):
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited: {proc.stderr.read().decode()[-2000:]}")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            time.sleep(0.25)
-    proc.kill()
-    raise RuntimeError("server did not start")
+
+    def failed(why: str) -> str:
+        tail = proc.stderr.read().decode()[-2000:] if proc.poll() is not None else ""
+        return f"lmengine serve {why}: {tail}"
+
+    wait_ready(proc, lambda: http_ok(url + "/health"), 300, failed)
+    return proc, url
 
 
 def start_smg(workers: list[str], policy: str = "round_robin") -> tuple[subprocess.Popen, str]:
     """SGLang's model gateway (`smg launch`, pip install smg) on loopback in front of
     `workers`, noticing a dead worker within seconds; returns once all are healthy."""
-    try:
-        import httpx2 as httpx
-    except ImportError:
-        import httpx
-
     found = Path(sys.executable).with_name("smg")
     binary = str(found) if found.exists() else shutil.which("smg")
     if binary is None:
@@ -258,19 +269,12 @@ def start_smg(workers: list[str], policy: str = "round_robin") -> tuple[subproce
     ]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"smg exited with {proc.returncode}")
-        try:
-            ready = httpx.get(url + "/readiness", timeout=1.0)
-            if ready.status_code == 200 and ready.json().get("healthy_workers") == len(workers):
-                return proc, url
-        except (httpx.HTTPError, ValueError):
-            pass
-        time.sleep(0.3)
-    proc.kill()
-    raise RuntimeError("smg did not see its workers healthy within 60 s")
+
+    def all_healthy(body) -> bool:
+        return body.get("healthy_workers") == len(workers)
+
+    wait_ready(proc, lambda: http_ok(url + "/readiness", all_healthy), 60, lambda why: f"smg {why}")
+    return proc, url
 
 
 def stop(proc: subprocess.Popen, timeout: float = 60) -> None:
@@ -405,13 +409,11 @@ def main(argv: list[str] | None = None) -> int:
     engine_flags = ["--max-batch-size", str(args.max_batch_size),
                     "--num-threads", str(args.num_threads)]  # fmt: skip
 
-    from lmengine.bench.report import busy_fraction, cpu_model
+    from lmengine.bench.report import check_idle, cpu_model
 
-    busy = busy_fraction()
+    busy = check_idle(args.force)
     print(f"{cpu_model()}, {os.cpu_count()} CPUs, {time.strftime('%Y-%m-%d')}, "
           f"{busy:.0%} busy at start", file=sys.stderr)  # fmt: skip
-    if busy > 0.1 and not args.force:
-        sys.exit(f"the CPUs are {busy:.0%} busy: the figures would be wrong (--force to run)")
     slo_s = (args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)
     if args.router:
         rows, pairs = compare_router(

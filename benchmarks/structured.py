@@ -27,7 +27,9 @@ from lmengine import Engine, EngineConfig, GenerationConfig, Pipeline
 from lmengine.bench.prompts import read_lines
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from research import check_idle, report_header, write_report  # noqa: E402
+from research import report_header, write_report  # noqa: E402
+
+from lmengine.bench.report import check_idle  # noqa: E402
 
 PROMPTS = Path(__file__).resolve().parents[1] / "lmengine" / "data" / "prompts.txt"
 SCHEMA = {

@@ -32,7 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.serving import free_port, start_server, stop  # noqa: E402
+from benchmarks.serving import free_port, http_ok, start_server, stop, wait_ready  # noqa: E402
 
 VLLM_CLI = Path(__file__).with_name("vllm_cli.py")
 NAME = "smollm2"  # the `model` both servers answer to
@@ -87,19 +87,13 @@ def start_vllm(vllm_python: str, hf_model: str) -> tuple[subprocess.Popen, str]:
     log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 900
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"vllm serve exited; its log: {log.name}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=1) as r:
-                if r.status == 200:
-                    return proc, url
-        except OSError:
-            pass
-        time.sleep(1)
-    proc.kill()
-    raise RuntimeError(f"vllm serve did not start; its log: {log.name}")
+    wait_ready(
+        proc,
+        lambda: http_ok(url + "/health"),
+        900,
+        lambda why: f"vllm serve {why}; its log: {log.name}",
+    )
+    return proc, url
 
 
 def phase_sums(url: str) -> dict[str, float]:
@@ -116,21 +110,10 @@ def phase_sums(url: str) -> dict[str, float]:
     return out
 
 
-def wait_idle(force: bool) -> float:
-    from lmengine.bench.report import busy_fraction
-
-    for _ in range(30):
-        busy = busy_fraction()
-        if busy <= 0.1:
-            return busy
-        time.sleep(2)
-    if not force:
-        sys.exit(f"the CPUs stay {busy:.0%} busy: the figures would be wrong (--force to run)")
-    return busy
-
-
 def measure(args, server: str, workdir: Path, round_: int) -> list[dict]:
-    busy = wait_idle(args.force)
+    from lmengine.bench.report import check_idle
+
+    busy = check_idle(args.force, wait_s=60)  # the last server's processes may still wind down
     print(f"round {round_}: {server} ({busy:.0%} busy before it started)", file=sys.stderr)
     if server == "lmengine":
         proc, url = start_server(args.lmengine_model, ["--served-model-name", NAME, *args.flags])

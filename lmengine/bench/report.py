@@ -41,6 +41,21 @@ def busy_fraction(seconds: float = 2.0) -> float:
     return 1 - (idle1 - idle0) / max(1, total1 - total0)
 
 
+def check_idle(force: bool, wait_s: float = 0.0, limit: float = 0.1) -> float:
+    """The CPUs' busy fraction, waited on for up to `wait_s` seconds to fall to `limit`; past
+    it the run stops (the figures would be wrong), or with `force` goes on with a warning."""
+    deadline = time.monotonic() + wait_s
+    busy = busy_fraction()
+    while busy > limit and time.monotonic() < deadline:
+        busy = busy_fraction()
+    if busy > limit:
+        message = f"the CPUs are {busy:.0%} busy: the figures would be wrong"
+        if not force:
+            sys.exit(f"{message} (--force to run anyway)")
+        print(f"WARNING: {message}", file=sys.stderr, flush=True)
+    return busy
+
+
 def command_line() -> str:
     """The command that is running, as a user would type it again."""
     argv = list(sys.argv)

@@ -130,19 +130,16 @@ def pick_dtype(dtype: str, device: torch.device, config) -> torch.dtype:
     return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
 
 
-def gguf_source(model_path: str | None) -> Path | None:
-    """The .gguf file a model path is converted from (None: not a GGUF model): the file
-    itself, a folder holding only a GGUF file, or the default model when it is read offline."""
+def gguf_source(model_path: str | None, resolved: str) -> Path | None:
+    """The .gguf file that `model_path`, resolved to `resolved` by `resolve_model_path`, was
+    converted from; None for any other checkpoint (the default model from the hub too)."""
     if model_path in (None, "", "default", DEFAULT_MODEL_ID):
-        if resolve_model_path(model_path) == DEFAULT_MODEL_ID:
-            return None  # from the hub: a float checkpoint
-        return default_gguf_path()
+        return None if resolved == DEFAULT_MODEL_ID else default_gguf_path()
     path = Path(model_path)
     if path.is_file() and path.suffix == ".gguf":
         return path
-    if path.is_dir() and not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
-        ggufs = sorted(path.glob("*.gguf"))
-        return ggufs[0] if ggufs else None
+    if path.is_dir() and Path(resolved) != path:  # a folder holding only a GGUF file
+        return sorted(path.glob("*.gguf"))[0]
     return None
 
 
@@ -165,7 +162,7 @@ def load_model_and_tokenizer(
             path, dtype=torch_dtype, trust_remote_code=trust_remote_code
         )
     model.to(dev).eval().requires_grad_(False)
-    source = gguf_source(model_path)
+    source = gguf_source(model_path, path)
     model.lmengine_gguf_file = str(source) if source is not None else None  # quant_policy="gguf"
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     return model, tokenizer, path, dev

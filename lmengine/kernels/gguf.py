@@ -78,11 +78,15 @@ def gguf_linear(
     qtype: int,
     k: int,
     bias: torch.Tensor | None = None,
+    *,
+    checked: bool = False,
 ) -> torch.Tensor:
-    """x float32 [M, k] -> [M, N] = x @ dequantize(blocks)^T (+ bias)."""
-    check_qtype(qtype, k, blocks.shape[-1])
-    if x.shape[-1] != k:
-        raise ValueError(f"gguf_linear: x has {x.shape[-1]} features, the weight {k}")
+    """x float32 [M, k] -> [M, N] = x @ dequantize(blocks)^T (+ bias). `checked`: the blocks
+    were checked beforehand (a layer checks its own once, not at every step)."""
+    if not checked:
+        check_qtype(qtype, k, blocks.shape[-1])
+        if x.shape[-1] != k:
+            raise ValueError(f"gguf_linear: x has {x.shape[-1]} features, the weight {k}")
     rows = x.shape[0]
     module = cpu_ext.load() if x.device.type == "cpu" else None
     if module is not None and 1 <= rows <= MAX_GEMV_ROWS and x.dtype == torch.float32:

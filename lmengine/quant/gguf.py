@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from lmengine.engine.gguf_blocks import GGUFWeight, read_gguf_blocks
-from lmengine.kernels.gguf import gguf_linear
+from lmengine.kernels.gguf import check_qtype, gguf_linear
 from lmengine.models.layers import MergedLinear, PackedLinear
 
 logger = logging.getLogger("lmengine")
@@ -30,6 +30,7 @@ class GGUFLinear(nn.Module):
         self.in_features = weight.in_features
         self.out_features = weight.out_features
         self.qtype = weight.qtype
+        check_qtype(self.qtype, self.in_features, weight.blocks.shape[1])  # once, not per step
         self.register_buffer("blocks", weight.blocks)
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
         self.source_names = source_names
@@ -39,7 +40,7 @@ class GGUFLinear(nn.Module):
         return out.split_with_sizes(self.output_sizes, dim=-1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return gguf_linear(x, self.blocks, self.qtype, self.in_features, self.bias)
+        return gguf_linear(x, self.blocks, self.qtype, self.in_features, self.bias, checked=True)
 
 
 def _blocks_for(name: str, module: PackedLinear, blocks: dict[str, GGUFWeight]):

@@ -110,7 +110,7 @@ class EngineClient:
         if not self.engine.is_alive:
             raise APIError(503, "the engine is not running", "service_unavailable")
 
-    def new_job(self, endpoint: str, request=None) -> Job:
+    def new_job(self, endpoint: str, request) -> Job:
         """An empty Job for the HTTP `request`; 503 when shutting down or the engine is gone."""
         self.check_engine()
         return Job(
@@ -119,7 +119,7 @@ class EngineClient:
             self.metrics,
             endpoint,
             self.settings.request_timeout or None,
-            received_at(request) if request is not None else None,
+            received_at(request),
         )
 
     def submit(
