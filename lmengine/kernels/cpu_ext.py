@@ -32,6 +32,7 @@ _SOURCES = [
         "gemv_ops.cpp",
         "layer_ops.cpp",
         "gguf_ops.cpp",
+        "sgemm_packed_ops.cpp",
     )
 ]
 _HEADERS = [_CSRC / "vec_math.h"]  # included by the sources: part of the build's hash

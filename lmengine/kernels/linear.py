@@ -1,5 +1,5 @@
-"""Linear layers on CPU: a weight-streaming GEMV for a few rows, oneDNN on weights pre-packed
-once for mid-sized batches, and for large prefills MKL (`F.linear`) on Intel, oneDNN elsewhere.
+"""Linear layers on CPU: a weight-streaming GEMV for a few rows, and from 9 rows a GEMM on a
+weight packed once at load: by MKL on Intel CPUs, by oneDNN elsewhere.
 
 Measured on the 2-core Intel Xeon of sessions 1-6, float32, weights streamed from memory as in
 a real forward (all of SmolLM2-135M's linears, best of interleaved runs):
@@ -9,13 +9,17 @@ a real forward (all of SmolLM2-135M's linears, best of interleaved runs):
   row, 25-45 % faster than oneDNN at 2-8. On an AMD EPYC Zen 3 (AVX2, session 10), after one
   row took four accumulators per step: 16-20 GB/s against MKL's 9-11 GB/s (the old two-
   accumulator loop 13-15 GB/s).
-- 9 to ~1k rows: oneDNN on pre-packed weights runs the GEMMs of a 64-token decode step 1.5x
-  faster than MKL and those of a 16-token step 3x faster.
-- from ~1k rows (large prefills) MKL wins again on Intel CPUs, so those keep using it there.
-On other x86 CPUs MKL takes a generic code path: on an AMD EPYC (Zen 5, AVX-512) its GEMMs
-ran at 150-195 GFLOP/s against oneDNN's 340-475 from 64 to 4,096 rows, so oneDNN serves
-every size from 9 rows up (`mkl_wins_large_gemms`).
-Elsewhere (CUDA, other dtypes, a torch without oneDNN or without the compiled kernels)
+- From 9 rows, on Intel: MKL's packed GEMM (kernels/csrc/sgemm_packed_ops.cpp) on a weight
+  packed once for 512 rows. On an Intel Xeon (family 6, model 167), GFLOP/s at 17 / 32 / 64 /
+  117 / 256 / 1,024 / 2,048 rows: 133 / 204 / 294 / 354 / 399 / 403 / 391, against oneDNN on
+  its packed weights 125 / 177 / 225 / 278 / 350 / 387 / 388 and MKL unpacked (`F.linear`)
+  99 / 165 / 236 / 285 / 326 / 384 / 390: 1.25-1.3x oneDNN at 64-117 rows (a decode batch, a
+  short prompt beside running decodes).
+- From 9 rows elsewhere: oneDNN on pre-packed weights. MKL takes a generic code path on other
+  x86 CPUs: on an AMD EPYC (Zen 5, AVX-512) its GEMMs ran at 150-195 GFLOP/s against oneDNN's
+  340-475 from 64 to 4,096 rows.
+Without the compiled kernels, Intel CPUs keep oneDNN's packs up to 1,023 rows and MKL unpacked
+above (where it beats oneDNN there). Elsewhere (CUDA, other dtypes, a torch without oneDNN)
 `linear` is `F.linear`, which is also the reference.
 """
 
@@ -31,8 +35,11 @@ import torch.nn.functional as F
 from lmengine.kernels import cpu_ext
 
 _PACK_BATCH_HINT = 64  # oneDNN picks the packed layout for this many rows
+# MKL's layout for this many rows is the fastest from 9 to 2,048 rows (measured: 256 and 512
+# alike; 768 and 1,024 pick a layout ~1.3-1.5x slower below 1,024 rows)
+_MKL_PACK_ROWS = 512
 _MAX_GEMV_ROWS = 8  # up to this many rows the compiled weight-streaming GEMV is fastest
-_MAX_ROWS_FOR_PACKED = 1023  # from ~1k rows (large prefills) MKL is faster again
+_MAX_ROWS_FOR_ONEDNN = 1023  # from ~1k rows (large prefills) MKL unpacked beats oneDNN on Intel
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -46,10 +53,15 @@ def can_pack(weight: torch.Tensor) -> bool:
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
-    """A oneDNN-packed copy of `weight` [out, in], or None where packing does not apply."""
+    """A packed copy of `weight` [out, in] for `linear`, or None where packing does not apply:
+    MKL's packed layout (a uint8 buffer) on Intel CPUs, oneDNN's elsewhere."""
     if not can_pack(weight):
         return None
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), _PACK_BATCH_HINT)
+    weight = weight.detach().contiguous()
+    mkl = _mkl_packed_kernels()
+    if mkl is not None:
+        return mkl.sgemm_pack(weight, _MKL_PACK_ROWS)
+    return torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_BATCH_HINT)
 
 
 def linear(
@@ -64,14 +76,14 @@ def linear(
     rows = x.shape[0]
     if packed is None or rows == 0:  # 0 rows: a chunk's lm_head
         return F.linear(x, weight, bias)
-    if rows > _MAX_ROWS_FOR_PACKED and mkl_wins_large_gemms():
-        return F.linear(x, weight, bias)
     if rows <= _MAX_GEMV_ROWS:
         gemv = _gemv_kernel()
         if gemv is not None and x.shape[1] % 16 == 0 and weight.is_contiguous():
             return gemv(x.contiguous(), weight, bias)
-        if rows == 1 and mkl_wins_large_gemms():  # MKL's GEMV beats oneDNN at one row
-            return F.linear(x, weight, bias)
+    if packed.dtype == torch.uint8:  # MKL's layout (pack_weight on Intel)
+        return cpu_ext.load().sgemm_packed_linear(x.contiguous(), packed, weight, bias)
+    if mkl_is_fast() and (rows == 1 or rows > _MAX_ROWS_FOR_ONEDNN):
+        return F.linear(x, weight, bias)  # MKL beats oneDNN here (its GEMV at one row)
     return _onednn(x, packed, bias)
 
 
@@ -81,12 +93,20 @@ def _gemv_kernel():
     return None if module is None else module.gemv
 
 
+def _mkl_packed_kernels():
+    """The compiled module when MKL's packed GEMM serves the packed weights (Intel CPUs, a torch
+    with MKL), else None (then oneDNN packs them)."""
+    module = cpu_ext.load()
+    if module is None or not mkl_is_fast() or not module.sgemm_packed_available():
+        return None
+    return module
+
+
 @functools.cache
-def mkl_wins_large_gemms() -> bool:
-    """True on Intel CPUs, where MKL beats oneDNN on GEMMs of ~1k rows and more (and on one
-    row without the compiled GEMV); elsewhere MKL does not take its fast code paths.
-    `LMENGINE_LARGE_GEMM=mkl|onednn` overrides."""
-    choice = os.environ.get("LMENGINE_LARGE_GEMM", "").lower()
+def mkl_is_fast() -> bool:
+    """True on Intel CPUs, where MKL's GEMMs beat oneDNN's; elsewhere MKL does not take its fast
+    code paths. `LMENGINE_GEMM=mkl|onednn` overrides."""
+    choice = os.environ.get("LMENGINE_GEMM", "").lower()
     if choice in ("mkl", "onednn"):
         return choice == "mkl"
     try:

@@ -48,8 +48,8 @@ def sort_by_expert(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tens
 
 
 def pack_experts(w: torch.Tensor) -> list[torch.Tensor | None] | None:
-    """oneDNN-packed copies of each expert's [out, in] matrix (see kernels/linear.py), or None
-    where packing does not apply."""
+    """Packed copies of each expert's [out, in] matrix (MKL's or oneDNN's: kernels/linear.py),
+    or None where packing does not apply."""
     packed = [pack_weight(w[e]) for e in range(w.shape[0])]
     return None if any(p is None for p in packed) else packed
 
@@ -65,7 +65,7 @@ def fused_moe_cpu(
 ) -> torch.Tensor:
     """Grouped by expert: one gather of the token rows in expert order, then one GEMM pair
     per expert over its contiguous run of rows, one weighted scatter-add back. `packed`:
-    (pack_experts(w_gate_up), pack_experts(w_down)), for oneDNN GEMMs on packed weights."""
+    (pack_experts(w_gate_up), pack_experts(w_down)), for GEMMs on packed weights."""
     num_tokens, top_k = topk_ids.shape
     order, counts = sort_by_expert(topk_ids, w_gate_up.shape[0])
     token = order // top_k  # [num_slots] token of each sorted slot
@@ -113,7 +113,7 @@ def fused_moe(
     packed: tuple[list, list] | None = None,
 ) -> torch.Tensor:
     """x: [num_tokens, hidden] -> sum_k topk_weights[:, k] * expert_{topk_ids[:, k]}(x).
-    `packed`: optional per-expert oneDNN-packed weights for the CPU path."""
+    `packed`: optional per-expert packed weights for the CPU path."""
     _check(x, w_gate_up, w_down, topk_weights, topk_ids)
     if x.shape[0] == 0:
         return torch.zeros_like(x)

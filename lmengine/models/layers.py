@@ -15,7 +15,8 @@ from lmengine.kernels.linear import linear, pack_weight
 
 
 class PackedLinear(nn.Linear):
-    """An nn.Linear that runs on a oneDNN-packed copy of its weight where that is faster.
+    """An nn.Linear that runs on a packed copy of its weight (kernels/linear.py) where that is
+    faster.
 
     Whoever changes `weight` afterwards (sharding, quantization) calls `repack()`.
     """

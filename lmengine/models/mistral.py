@@ -78,7 +78,7 @@ class PatchedMixtralSparseMoeBlock(MixtralSparseMoeBlock):
     """Top-k softmax routing as transformers does it, then the batched expert kernel."""
 
     def lmengine_post_patch(self) -> None:
-        """Pack each expert's weights for oneDNN (CPU float32; None elsewhere). Whoever
+        """Pack each expert's weights for the CPU GEMMs (float32; None elsewhere). Whoever
         changes the expert weights afterwards calls this again."""
         gate_up = pack_experts(self.experts.gate_up_proj)
         down = pack_experts(self.experts.down_proj)

@@ -1,6 +1,8 @@
-"""The CPU linear paths (compiled GEMV, oneDNN packed, MKL) against F.linear."""
+"""The CPU linear paths (compiled GEMV, MKL packed, oneDNN packed, MKL) against F.linear."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -81,22 +83,116 @@ def test_linear_takes_the_gemv_for_few_rows_only(ext, monkeypatch):
 
 
 @pytest.mark.parametrize("intel", [True, False])
-def test_large_gemms_go_to_mkl_on_intel_only(intel, monkeypatch):
+def test_gemms_go_to_mkl_packs_on_intel_and_onednn_elsewhere(ext, intel, monkeypatch):
+    if intel and not ext.sgemm_packed_available():
+        pytest.skip("this torch has no MKL (not an x86 build)")
+    used = []
+
+    def counting(name, fn):
+        def run(*args):
+            used.append((name, args[0].shape[0]))
+            return fn(*args)
+
+        return run
+
+    monkeypatch.setattr(linear_module, "mkl_is_fast", lambda: intel)
+    monkeypatch.setattr(linear_module, "_gemv_kernel", lambda: counting("gemv", ext.gemv))
+    monkeypatch.setattr(linear_module, "_onednn", counting("onednn", linear_module._onednn))
+    monkeypatch.setattr(ext, "sgemm_packed_linear", counting("mkl", ext.sgemm_packed_linear))
+    weight, bias = torch.randn(40, 32), torch.randn(40)
+    packed = pack_weight(weight)
+    assert packed.dtype == (torch.uint8 if intel else torch.float32)
+    for rows in (1, 8, 9, 117, 1023, 1024, 3000):
+        x = torch.randn(rows, 32)
+        out = linear(x, weight, bias, packed)
+        torch.testing.assert_close(out, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+    big = "mkl" if intel else "onednn"
+    assert used == [("gemv", 1), ("gemv", 8)] + [(big, r) for r in (9, 117, 1023, 1024, 3000)]
+
+
+@pytest.mark.parametrize("intel", [True, False])
+def test_without_the_compiled_kernels_intel_keeps_mkl_for_large_gemms(intel, monkeypatch):
     onednn_rows = []
 
     def counting_onednn(x, packed, bias):
         onednn_rows.append(x.shape[0])
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
+    monkeypatch.setattr(linear_module.cpu_ext, "load", lambda: None)
     monkeypatch.setattr(linear_module, "_onednn", counting_onednn)
-    monkeypatch.setattr(linear_module, "mkl_wins_large_gemms", lambda: intel)
-    monkeypatch.setattr(linear_module, "_gemv_kernel", lambda: None)
+    monkeypatch.setattr(linear_module, "mkl_is_fast", lambda: intel)
     weight = torch.randn(40, 32)
+    packed = pack_weight(weight)
+    assert packed.is_mkldnn
     for rows in (1, 9, 1023, 1024, 3000):
         x = torch.randn(rows, 32)
-        out = linear(x, weight, None, pack_weight(weight))
+        out = linear(x, weight, None, packed)
         torch.testing.assert_close(out, F.linear(x, weight), rtol=1e-5, atol=1e-5)
     assert onednn_rows == ([9, 1023] if intel else [1, 9, 1023, 1024, 3000])
+
+
+@pytest.fixture()
+def mkl(ext):
+    if not ext.sgemm_packed_available():
+        pytest.skip("this torch has no MKL (not an x86 build)")
+    return ext
+
+
+@pytest.mark.parametrize("rows", [1, 2, 9, 31, 117, 600])
+@pytest.mark.parametrize(("out_features", "in_features"), [(3072, 576), (101, 37), (5, 1536)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_mkl_packed_gemm_matches_float64(mkl, rows, out_features, in_features, threads):
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        gen = torch.Generator().manual_seed(rows * 7 + out_features)
+        weight = torch.randn(out_features, in_features, generator=gen)
+        bias = torch.randn(out_features, generator=gen)
+        x = torch.randn(rows, in_features, generator=gen)
+        for hint in (64, 512):  # the hint steers the layout, never the result's rows
+            packed = mkl.sgemm_pack(weight, hint)
+            for b in (None, bias):  # one row with a bias: MKL's beta = 1 was wrong there
+                expected = F.linear(x.double(), weight.double(), None if b is None else b.double())
+                out = mkl.sgemm_packed_linear(x, packed, weight, b)
+                torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=2e-4)
+        assert mkl.sgemm_packed_linear(x[:0], packed, weight).shape == (0, out_features)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_mkl_packed_gemm_rejects_what_it_cannot_run(mkl):
+    weight = torch.randn(8, 32)
+    packed = mkl.sgemm_pack(weight, 512)
+    with pytest.raises(RuntimeError, match=r"\[M, K\]"):
+        mkl.sgemm_packed_linear(torch.randn(2, 24), packed, weight)
+    with pytest.raises(RuntimeError, match="float32"):
+        mkl.sgemm_packed_linear(torch.randn(2, 32).double(), packed, weight)
+    with pytest.raises(RuntimeError, match="sgemm_pack"):
+        mkl.sgemm_packed_linear(torch.randn(2, 32), weight, weight)  # not a packed buffer
+    with pytest.raises(RuntimeError, match="bias must be"):
+        mkl.sgemm_packed_linear(torch.randn(2, 32), packed, weight, torch.randn(7))
+    with pytest.raises(RuntimeError, match="float32"):
+        mkl.sgemm_pack(weight.double(), 512)
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_mkl_pack_holds_about_the_weight_in_memory(mkl):
+    """MKL asks for 1.4-3x the matrix; only the pages it writes (the matrix's size) are
+    resident."""
+    weight = torch.randn(49152, 576)  # 108 MiB: SmolLM2's LM head
+    before = _resident_bytes()
+    packed = mkl.sgemm_pack(weight, 512)
+    grown = _resident_bytes() - before
+    assert packed.numel() > 1.5 * weight.numel() * 4  # what MKL asked for
+    assert grown < 1.2 * weight.numel() * 4, grown
+    x = torch.randn(16, 576)
+    torch.testing.assert_close(
+        mkl.sgemm_packed_linear(x, packed, weight), F.linear(x, weight), rtol=1e-5, atol=1e-4
+    )
 
 
 def test_cpu_vendor_and_override(monkeypatch):
@@ -105,8 +201,8 @@ def test_cpu_vendor_and_override(monkeypatch):
     assert not linear_module.is_intel_cpu(intel.replace("GenuineIntel", "AuthenticAMD", 1))
     assert linear_module.is_intel_cpu("processor\t: 0\n")  # no vendor listed (not x86)
     for value, expected in (("mkl", True), ("onednn", False)):
-        monkeypatch.setenv("LMENGINE_LARGE_GEMM", value)
-        linear_module.mkl_wins_large_gemms.cache_clear()
-        assert linear_module.mkl_wins_large_gemms() is expected
-    monkeypatch.delenv("LMENGINE_LARGE_GEMM")
-    linear_module.mkl_wins_large_gemms.cache_clear()
+        monkeypatch.setenv("LMENGINE_GEMM", value)
+        linear_module.mkl_is_fast.cache_clear()
+        assert linear_module.mkl_is_fast() is expected
+    monkeypatch.delenv("LMENGINE_GEMM")
+    linear_module.mkl_is_fast.cache_clear()
