@@ -32,6 +32,7 @@ from lmengine.distributed.comm import TPGroup, backend_for, set_tp_group
 from lmengine.distributed.load import load_shard, weight_bytes
 from lmengine.distributed.lora import TPLoRAPool
 from lmengine.distributed.step import StepChannel, build_rank_cache
+from lmengine.engine.malloc import keep_freed_memory
 from lmengine.engine.runner import ModelRunner
 
 STATUS_KEY = "lmengine/tp/status/{rank}"
@@ -51,8 +52,9 @@ def worker_device(device_type: str, rank: int) -> torch.device:
 
 
 def set_cpu_threads(cfg: EngineConfig) -> None:
-    """Ranks on one CPU share its cores."""
+    """Ranks on one CPU share its cores (and keep their freed memory: engine/malloc.py)."""
     torch.set_num_threads(cfg.num_threads or max(1, (os.cpu_count() or 1) // cfg.tp))
+    keep_freed_memory()
 
 
 def _exit_with_parent(parent_pid: int) -> None:

@@ -32,6 +32,7 @@ from lmengine.config import EngineConfig
 from lmengine.engine.beam import BeamSearch
 from lmengine.engine.loader import load_model_and_tokenizer
 from lmengine.engine.lora_pool import DEFAULT_MAX_LORA_RANK, AdapterWeights
+from lmengine.engine.malloc import keep_freed_memory
 from lmengine.engine.model_agent import ModelAgent
 from lmengine.engine.outputs import OutputProcessor
 from lmengine.engine.request import (
@@ -130,6 +131,7 @@ class Engine:
             device = device or next(model.parameters()).device
             if device.type == "cpu":
                 torch.set_num_threads(cfg.num_threads or os.cpu_count() or 1)
+                keep_freed_memory()
             self.info = ModelInfo.from_hf(model.config, getattr(model, "generation_config", None))
             self.model_agent = ModelAgent(model, self.info, cfg, device)
         num_blocks = self.model_agent.num_gpu_blocks
