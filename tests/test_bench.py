@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
+import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -219,3 +221,70 @@ def test_importing_the_harness_loads_neither_torch_nor_transformers():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def _peer_script(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_peer_runner_times_lmengine_on_given_ids(tiny_llama_path, tmp_path):
+    """benchmarks/peer_engines.py, as benchmarks/peers.py starts it for each engine."""
+    workloads = {
+        "W1": {"prompts": [[1, 2, 3], [4, 5, 6, 7], [8, 9]], "max_new_tokens": 5},
+        "W2": {"prompts": [list(range(10, 40))], "max_new_tokens": 6},
+        "W3": {"prompts": [list(range(50, 150)), list(range(200, 280))], "max_new_tokens": 1},
+    }
+    (tmp_path / "wl.json").write_text(json.dumps(workloads))
+    out = tmp_path / "out.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks/peer_engines.py"), "lmengine"]
+    cmd += ["--model", tiny_llama_path, "--workloads", str(tmp_path / "wl.json")]
+    cmd += ["--out", str(out), "--reps", "2", "--threads", "1"]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["engine"] == "lmengine"
+    assert [len(o) for o in result["W1"]["outputs"]] == [5, 5, 5]
+    assert [len(o) for o in result["W2"]["outputs"]] == [6]
+    assert len(result["W1"]["reps"]) == 2 and result["W1"]["out_tok_s"] > 0
+    assert result["W2"]["ttft_s"] > 0 and result["W2"]["decode_tok_s"] > 0
+    for rep in result["W3"]["reps"]:  # 180 prompt tokens
+        assert rep["prefill_tok_s"] == pytest.approx(180 / rep["ttft_s"])
+    # the same ids give the same greedy tokens in-process
+    from lmengine import GenerationConfig, pipeline
+
+    with pipeline(tiny_llama_path) as pipe:
+        cfg = GenerationConfig(max_new_tokens=5, ignore_eos=True)
+        expected = [list(r.token_ids) for r in pipe(workloads["W1"]["prompts"], gen_config=cfg)]
+    assert result["W1"]["outputs"] == expected
+
+
+def test_the_peer_report_states_ratios_agreement_and_disturbance():
+    peers = _peer_script("peers")
+
+    def result(engine, round_, w1, ttft, decode, w3, outputs, share):
+        return {
+            "engine": engine,
+            "round": round_,
+            "W1": {"out_tok_s": w1, "outputs": outputs},
+            "W2": {"ttft_s": ttft, "decode_tok_s": decode},
+            "W3": {"prefill_tok_s": w3},
+            "others_share": share,
+            "disturbed": share > 0.10,
+        }
+
+    text = peers.report(
+        [
+            result("lmengine", 1, 500.0, 0.100, 40.0, 1100.0, [[1, 2], [3, 4]], 0.01),
+            result("vllm", 1, 400.0, 0.125, 32.0, 1375.0, [[1, 2], [3, 5]], 0.25),
+        ]
+    )
+    assert "| vllm | 1 | 400.0 | 125.0 | 32.0 | 1375.0 | 1/2 | 25% (disturbed) |" in text
+    assert "| lmengine | 1 | 500.0 | 100.0 | 40.0 | 1100.0 | - | 1% |" in text
+    assert "| --- | ---: | ---: | ---: | ---: | ---: | --- | --- |" in text
+    assert (
+        "lmengine / vllm (above 1: lmengine better): W1 out tok/s 1.25, W2 TTFT ms 1.25, "
+        "W2 decode tok/s 1.25, W3 prefill tok/s 0.80" in text
+    )
