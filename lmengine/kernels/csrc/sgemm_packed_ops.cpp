@@ -14,9 +14,9 @@
 // The symbols are declared weak: a torch built without MKL still loads this module, and
 // `sgemm_packed_available()` says False there.
 //
-// The size MKL asks for is ~3x the matrix plus ~8 MB, while the packed data it writes is the
-// matrix's size spread over the first part of it. The buffer is therefore its own anonymous
-// mapping: pages MKL never writes are never backed by memory.
+// The size MKL asks for is 1.4-3x the matrix (~8 MB at least), while the packed data it
+// writes is the matrix's size, spread over the first part of it. The buffer is therefore its
+// own anonymous mapping: pages MKL never writes are never backed by memory.
 
 #include <sys/mman.h>
 #include <torch/extension.h>
