@@ -32,6 +32,9 @@ class _GroupPlan:
     # decode groups only, for the compiled kernel that reads the cache without a gather:
     decode_tables: torch.Tensor | None = None  # [num_seqs, max_blocks] int32
     decode_kv_lens: torch.Tensor | None = None  # [num_seqs] int32
+    # prompt chunks (max_q > 1), for the compiled prefill kernel reading the cache in place:
+    # (block tables [n, max_blocks], q_start, q_lens, kv_lens [n]), int32
+    prefill_args: tuple[torch.Tensor, ...] | None = None
 
     def mask_for(
         self, group_size: int, dtype: torch.dtype, sliding_window: int | None = None
@@ -155,10 +158,19 @@ def _plan_group(meta: AttentionMetadata, seqs: torch.Tensor) -> _GroupPlan:
     num_tokens = int(meta.q_lens.sum())
     is_identity = max_q == 1 and len(seqs) == num_tokens
     decode_tables = decode_kv_lens = None
+    prefill_args = None
     if max_q == 1:
         decode_tables = meta.block_tables[seqs, :max_blocks].contiguous()
         decode_kv_lens = meta.kv_lens[seqs].contiguous()
+    else:
+        prefill_args = (
+            meta.block_tables[seqs, :max_blocks].contiguous(),
+            meta.q_start_loc[seqs].contiguous(),
+            meta.q_lens[seqs].contiguous(),
+            meta.kv_lens[seqs].contiguous(),
+        )
     return _GroupPlan(
+        prefill_args=prefill_args,
         decode_tables=decode_tables,
         decode_kv_lens=decode_kv_lens,
         q_index=q_index,

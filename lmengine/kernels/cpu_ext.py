@@ -33,9 +33,11 @@ _SOURCES = [
         "layer_ops.cpp",
         "gguf_ops.cpp",
         "sgemm_packed_ops.cpp",
+        "prefill_attention_ops.cpp",
     )
 ]
-_HEADERS = [_CSRC / "vec_math.h"]  # included by the sources: part of the build's hash
+# included by the sources: part of the build's hash
+_HEADERS = [_CSRC / "vec_math.h", _CSRC / "mkl_cblas.h"]
 # NOTE: -fno-trapping-math: without it GCC does not if-convert the clamps and the final select
 # of exp_approx (a float multiply it would have to speculate "could trap"), so every
 # `#pragma omp simd` loop calling it stayed scalar (silu 6x, decode attention ~20 % slower).

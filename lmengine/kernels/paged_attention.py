@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from lmengine.kernels import cpu_ext
 from lmengine.kernels.attention_metadata import AttentionMetadata
 from lmengine.kernels.kv_quant import dequantize_kv, dequantize_kv_ref
+from lmengine.kernels.linear import mkl_is_fast
 
 
 def paged_attention_ref(
@@ -108,8 +109,11 @@ def paged_attention_cpu(
     out = None
     quantized = k_scale is not None
     kernel = None
+    prefill = None
     if q.dtype == torch.float32:
         kernel = _decode_kernel_int8() if quantized else _decode_kernel()
+        if not quantized and sliding_window is None and softcap is None:
+            prefill = _prefill_kernel()
     for plan in meta.groups:
         n, max_q = plan.q_index.shape
         if kernel is not None and plan.decode_tables is not None:
@@ -126,6 +130,13 @@ def paged_attention_cpu(
             if out is None:
                 out = torch.empty_like(q)
             out[plan.out_tokens] = res
+            continue
+        if prefill is not None and plan.prefill_args is not None:
+            if out is None:
+                out = torch.empty_like(q, memory_format=torch.contiguous_format)
+            prefill(q, k_cache, v_cache, *plan.prefill_args, scale, out)  # writes its rows
+            if plan.is_identity:
+                return out
             continue
         # [n * max_blocks, bs, kv_heads, d] -> [n, kv_heads, max_blocks * bs, d]
         kg = k_cache.index_select(0, plan.kv_blocks).view(n, -1, num_kv_heads, head_dim)
@@ -169,6 +180,16 @@ def _decode_kernel():
     """The compiled gather-free decode kernel, or None (then decodes use the SDPA path)."""
     module = cpu_ext.load()
     return None if module is None else module.paged_decode_attention
+
+
+def _prefill_kernel():
+    """The compiled prefill kernel (causal prompt chunks, reading the cache in place), or None
+    (then prompts use the gather + SDPA path). It runs on MKL's GEMM, so on Intel CPUs only,
+    where MKL takes its fast paths (kernels/linear.py); measured there, not elsewhere."""
+    module = cpu_ext.load()
+    if module is None or not mkl_is_fast() or not module.prefill_attention_available():
+        return None
+    return module.paged_prefill_attention
 
 
 def _decode_kernel_int8():

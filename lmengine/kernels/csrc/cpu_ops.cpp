@@ -518,6 +518,7 @@ void register_gemv_ops(py::module& m);  // gemv_ops.cpp
 void register_layer_ops(py::module& m);  // layer_ops.cpp
 void register_gguf_ops(py::module& m);  // gguf_ops.cpp
 void register_sgemm_packed_ops(py::module& m);  // sgemm_packed_ops.cpp
+void register_prefill_attention_ops(py::module& m);  // prefill_attention_ops.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_w8a8_ops(m);
@@ -527,6 +528,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_layer_ops(m);
   register_gguf_ops(m);
   register_sgemm_packed_ops(m);
+  register_prefill_attention_ops(m);
   m.def("argmax_rows", &argmax_rows, "first index of each row's maximum (float32 [M, N])",
         py::arg("x"));
   m.def("logsumexp_max_rows", &logsumexp_max_rows,

@@ -11,8 +11,8 @@
 // its own packed weights 122 / 175 / 225 / 285 / 352 / 387 / 391; a hint of 1,024 rows and
 // more picks a layout ~1.5x slower below 1,024 rows.
 //
-// The symbols are declared weak: a torch built without MKL still loads this module, and
-// `sgemm_packed_available()` says False there.
+// The symbols are declared weak (mkl_cblas.h): a torch built without MKL still loads this
+// module, and `sgemm_packed_available()` says False there.
 //
 // The size MKL asks for is 1.4-3x the matrix (~8 MB at least), while the packed data it
 // writes is the matrix's size, spread over the first part of it. The buffer is therefore its
@@ -23,19 +23,11 @@
 
 #include <cstring>
 
-extern "C" {
-// MKL's C interface (LP64: MKL_INT is int), the enum values of mkl_cblas.h
-size_t cblas_sgemm_pack_get_size(int identifier, int m, int n, int k) __attribute__((weak));
-void cblas_sgemm_pack(int layout, int identifier, int trans, int m, int n, int k, float alpha,
-                      const float* src, int ld, float* dest) __attribute__((weak));
-void cblas_sgemm_compute(int layout, int transa, int transb, int m, int n, int k, const float* a,
-                         int lda, const float* b, int ldb, float beta, float* c, int ldc)
-    __attribute__((weak));
-}
+#include "mkl_cblas.h"
 
 namespace {
 
-constexpr int kRowMajor = 101, kNoTrans = 111, kTrans = 112, kPacked = 151, kBMatrix = 162;
+using namespace mkl_cblas;
 
 void check_f32(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous(), name,
@@ -48,10 +40,7 @@ void check_int(int64_t v, const char* name) {
 
 }  // namespace
 
-bool sgemm_packed_available() {
-  return cblas_sgemm_pack_get_size != nullptr && cblas_sgemm_pack != nullptr &&
-         cblas_sgemm_compute != nullptr;
-}
+bool sgemm_packed_available() { return mkl_cblas_available(); }
 
 // weight [N, K] -> an opaque uint8 tensor holding W^T packed for y = x W^T with x [M, K];
 // `rows_hint` is the row count MKL optimises the layout for.

@@ -1,0 +1,44 @@
+// MKL's BLAS entry points that torch's CPU wheels export from libtorch_cpu (LP64: MKL_INT is
+// int), with the enum values of mkl_cblas.h. Declared weak: a torch built without MKL still
+// loads the kernels, and `mkl_cblas_available()` is false there (callers then take their
+// PyTorch path).
+#pragma once
+
+#include <cstddef>
+
+extern "C" {
+size_t cblas_sgemm_pack_get_size(int identifier, int m, int n, int k) __attribute__((weak));
+void cblas_sgemm_pack(int layout, int identifier, int trans, int m, int n, int k, float alpha,
+                      const float* src, int ld, float* dest) __attribute__((weak));
+void cblas_sgemm_compute(int layout, int transa, int transb, int m, int n, int k, const float* a,
+                         int lda, const float* b, int ldb, float beta, float* c, int ldc)
+    __attribute__((weak));
+// the plain GEMM: only its Fortran (column-major) entry is exported
+void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k,
+            const float* alpha, const float* a, const int* lda, const float* b, const int* ldb,
+            const float* beta, float* c, const int* ldc) __attribute__((weak));
+}
+
+namespace mkl_cblas {
+constexpr int kRowMajor = 101, kNoTrans = 111, kTrans = 112, kPacked = 151, kBMatrix = 162;
+}  // namespace mkl_cblas
+
+inline bool mkl_cblas_available() {
+  return cblas_sgemm_pack_get_size != nullptr && cblas_sgemm_pack != nullptr &&
+         cblas_sgemm_compute != nullptr && sgemm_ != nullptr;
+}
+
+// Row-major c[m, n] = a[m, k] b[n, k]^T + beta c (leading dimensions in elements), through the
+// column-major sgemm_: c^T = b a^T.
+inline void sgemm_row_nt(int m, int n, int k, const float* a, int lda, const float* b, int ldb,
+                         float beta, float* c, int ldc) {
+  const float one = 1.f;
+  sgemm_("T", "N", &n, &m, &k, &one, b, &ldb, a, &lda, &beta, c, &ldc);
+}
+
+// Row-major c[m, n] = a[m, k] b[k, n] + beta c, through the column-major sgemm_: c^T = b^T a^T.
+inline void sgemm_row_nn(int m, int n, int k, const float* a, int lda, const float* b, int ldb,
+                         float beta, float* c, int ldc) {
+  const float one = 1.f;
+  sgemm_("N", "N", &n, &m, &k, &one, b, &ldb, a, &lda, &beta, c, &ldc);
+}

@@ -1,0 +1,111 @@
+"""The compiled prefill kernel (kernels/csrc/prefill_attention_ops.cpp) against the dense
+causal reference, and the CPU path's choice of it."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+from lmengine.kernels import cpu_ext
+from lmengine.kernels.paged_attention import paged_attention_cpu
+from tests.kernels.helpers import dense_causal_attention, make_paged_batch
+
+# the module (lmengine.kernels exports its function under the same name)
+pa = importlib.import_module("lmengine.kernels.paged_attention")
+
+
+@pytest.fixture(scope="module")
+def ext():
+    module = cpu_ext.load()
+    assert module is not None, "the CPU kernels failed to build (see the warning above)"
+    if not module.prefill_attention_available():
+        pytest.skip("this torch has no MKL (not an x86 build)")
+    return module
+
+
+@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
+def threads(request):
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+# (q_lens, kv_lens): whole prompts, prompts longer than a task's 64 rows and a tile's 128
+# keys, chunks with cached history, and a decode row among them
+CASES = [
+    ([5], [5]),
+    ([100, 37], [100, 37]),
+    ([300, 2], [300, 2]),
+    ([30, 64, 1], [200, 64, 17]),
+    ([129, 65], [400, 65]),
+]
+
+
+@pytest.mark.parametrize("q_lens,kv_lens", CASES)
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize(
+    "heads,head_dim", [((9, 3), 64), ((4, 4), 16), ((8, 1), 32), ((4, 2), 128), ((6, 2), 40)]
+)
+def test_prefill_kernel_matches_dense_attention(
+    ext, q_lens, kv_lens, block_size, heads, head_dim, threads
+):
+    num_heads, num_kv_heads = heads
+    q, kc, vc, meta, dk, dv = make_paged_batch(
+        q_lens, kv_lens, num_heads, num_kv_heads, head_dim, block_size, seed=sum(q_lens)
+    )
+    scale = head_dim**-0.5
+    expected = dense_causal_attention(q, dk, dv, q_lens, kv_lens, scale).float()
+    # q as the engine passes it: a view of the fused QKV output (rows strided)
+    wide = torch.randn(q.shape[0], (num_heads + 2 * num_kv_heads) * head_dim)
+    wide[:, : num_heads * head_dim] = q.reshape(q.shape[0], -1)
+    q_view = wide[:, : num_heads * head_dim].view(q.shape)
+    out = torch.full_like(q, float("nan"))
+    tables = meta.block_tables.contiguous()
+    ext.paged_prefill_attention(
+        q_view, kc, vc, tables, meta.q_start_loc, meta.q_lens, meta.kv_lens, scale, out
+    )
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_the_cpu_path_takes_it_for_prompt_chunks_on_intel(ext, monkeypatch):
+    q_lens, kv_lens = [1, 40, 1, 7], [30, 90, 2, 7]
+    q, kc, vc, meta, dk, dv = make_paged_batch(q_lens, kv_lens, 6, 2, 32, 4, seed=3)
+    scale = 32**-0.5
+    expected = dense_causal_attention(q, dk, dv, q_lens, kv_lens, scale).float()
+    calls = []
+    real = ext.paged_prefill_attention
+
+    def spy(*args):
+        calls.append(args[4].numel())  # sequences in the call
+        return real(*args)
+
+    monkeypatch.setattr(ext, "paged_prefill_attention", spy)
+    for intel in (True, False):
+        monkeypatch.setattr(pa, "mkl_is_fast", lambda intel=intel: intel)
+        calls.clear()
+        torch.testing.assert_close(paged_attention_cpu(q, kc, vc, meta, scale), expected)
+        # the two prompt chunks (one fresh, one with history) in their groups; off Intel none
+        assert calls == ([1, 1] if intel else [])
+    monkeypatch.setattr(pa, "mkl_is_fast", lambda: True)
+    calls.clear()
+    paged_attention_cpu(q, kc, vc, meta, scale, sliding_window=8)  # the SDPA path
+    paged_attention_cpu(q, kc, vc, meta, scale, softcap=5.0)
+    assert calls == []
+
+
+def test_prefill_kernel_rejects_bad_input(ext):
+    q, kc, vc, meta, *_ = make_paged_batch([6], [6], 4, 2, 16, 4)
+    args = (meta.block_tables.contiguous(), meta.q_start_loc, meta.q_lens, meta.kv_lens)
+    out = torch.empty_like(q)
+    with pytest.raises(RuntimeError, match="q must be float32"):
+        ext.paged_prefill_attention(q.double(), kc, vc, *args, 1.0, out)
+    with pytest.raises(RuntimeError, match="does not fit"):
+        bad = (args[0], args[1], args[2], args[3] + 100)
+        ext.paged_prefill_attention(q, kc, vc, *bad, 1.0, out)
+    with pytest.raises(RuntimeError, match="out must be"):
+        ext.paged_prefill_attention(q, kc, vc, *args, 1.0, out[:3])
+    with pytest.raises(RuntimeError, match="heads % kv_heads"):
+        ext.paged_prefill_attention(q[:, :3], kc, vc, *args, 1.0, out[:, :3].contiguous())
