@@ -66,7 +66,8 @@ def test_prompt_logprobs_and_hidden_states_equal_transformers(tiny_llama_path, n
     with Engine.from_pretrained(path, cfg) as engine:
         if name == "prefix":  # fill the cache with the shared prefix first
             run_threads(engine, prompts[:1], GenerationConfig(max_new_tokens=1))
-        results = run_threads(engine, prompts, configs, stagger_s=0.0)
+        # NOTE: together: the first step must see every request, or the pool may not fill
+        results = run_threads(engine, prompts, configs, together=name in ("preempt", "swap"))
         stats = engine.stats()
         engine.check_integrity()
     if name in ("preempt", "swap"):

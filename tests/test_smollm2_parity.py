@@ -43,8 +43,13 @@ def test_smollm2_matches_transformers(smol_case, name):
     path, prompts, expected = smol_case
     engine = Engine.from_pretrained(path, EngineConfig(**CONFIGS[name]))
     try:
+        preempt = name.startswith("preempt")  # then the first step must see every request
         got = run_threads(
-            engine, prompts, GenerationConfig(max_new_tokens=NEW_TOKENS), stagger_s=0.02
+            engine,
+            prompts,
+            GenerationConfig(max_new_tokens=NEW_TOKENS),
+            stagger_s=0.0 if preempt else 0.02,
+            together=preempt,
         )
         for i, (r, exp) in enumerate(zip(got, expected)):
             assert r.token_ids == exp, f"prompt {i} differs"
@@ -118,7 +123,7 @@ def test_smollm2_prompt_logprobs_and_hidden_states_equal_transformers(smol_case)
     )
     config = EngineConfig(block_size=4, num_gpu_blocks=28, max_prefill_token_num=32)
     with Engine.from_pretrained(path, config) as engine:
-        got = run_threads(engine, prompts, cfg, stagger_s=0.0)
+        got = run_threads(engine, prompts, cfg, together=True)  # the pool must fill
         assert engine.stats()["num_preemptions"] > 0
     for prompt, r in zip(prompts, got):
         lp, hidden = hf_forward(path, prompt + r.token_ids)

@@ -369,7 +369,8 @@ def test_tp2_research_hooks_equal_tp1(tiny_llama_path):
             tiny_llama_path, EngineConfig(tp=tp, device="cpu", **PREEMPT)
         )
         try:
-            results[tp] = run_threads(engine, prompts, configs, num_threads=3)
+            # together: the first step sees every thread's request (preemption by design)
+            results[tp] = run_threads(engine, prompts, configs, num_threads=3, together=True)
             if tp == 2:
                 assert engine.stats()["num_preemptions"] > 0
                 engine.check_integrity()
