@@ -30,11 +30,10 @@ import time
 def lmengine_generator(args: argparse.Namespace):
     from lmengine import EngineConfig, GenerationConfig, pipeline
 
-    config = EngineConfig(quant_policy="gguf") if args.engine == "lmengine-gguf" else None
+    options = {"quant_policy": "gguf"} if args.engine == "lmengine-gguf" else {}
     if args.threads:
-        config = config or EngineConfig()
-        config.num_threads = args.threads
-    pipe = pipeline(args.model, engine_config=config)
+        options["num_threads"] = args.threads
+    pipe = pipeline(args.model, engine_config=EngineConfig(**options))
 
     def generate(prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
         cfg = GenerationConfig(max_new_tokens=new_tokens, ignore_eos=True)

@@ -12,21 +12,9 @@
 
 #include <algorithm>
 
+#include "vec_math.h"  // v16f, load16, hsum16
+
 namespace {
-
-// Sixteen floats as one vector (one AVX-512 register; two AVX registers elsewhere).
-typedef float v16f __attribute__((vector_size(64), aligned(4)));
-
-inline v16f load16(const float* p) { return *reinterpret_cast<const v16f*>(p); }
-
-inline float hsum16(v16f a) {
-  typedef float v8f __attribute__((vector_size(32)));
-  v8f h = __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) +
-          __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
-  float s = 0.f;
-  for (int i = 0; i < 8; ++i) s += h[i];
-  return s;
-}
 
 constexpr int64_t kPrefetch = 1024;  // floats ahead of the current read (4 KiB)
 

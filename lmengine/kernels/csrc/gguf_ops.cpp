@@ -23,14 +23,14 @@
 #include <cstring>
 #ifdef __F16C__
 #include <immintrin.h>
+
+#include "vec_math.h"  // v16f, v16i32, load16
 #endif
 
 namespace {
 
-typedef float v16f __attribute__((vector_size(64), aligned(4)));
 typedef uint8_t v16u8 __attribute__((vector_size(16), aligned(1)));
 typedef int8_t v16i8 __attribute__((vector_size(16), aligned(1)));
-typedef int32_t v16i32 __attribute__((vector_size(64)));
 
 // NOTE: bytes -> int32 -> float: GCC turns a direct byte-to-float conversion into one scalar
 // conversion per element (3x slower than the float32 GEMV); through int32 it is two vector
@@ -53,7 +53,6 @@ inline float half_to_float(const uint8_t* p) {
 #endif
 }
 
-inline v16f load16(const float* p) { return *reinterpret_cast<const v16f*>(p); }
 inline void store16(float* p, v16f v) { *reinterpret_cast<v16f*>(p) = v; }
 
 template <int64_t kType>
