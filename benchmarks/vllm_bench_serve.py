@@ -122,6 +122,8 @@ def measure(args, server: str, workdir: Path, round_: int) -> list[dict]:
     rows = []
     try:
         for load, load_args in LOADS.items():
+            if args.loads and load not in args.loads:
+                continue
             before = phase_sums(url) if server == "lmengine" else {}
             out = workdir / f"{server}_{round_}_{load.replace(' ', '_').replace('/', '')}.json"
             result = run_client(args.vllm_python, url, args.hf_model, load_args, out)
@@ -156,6 +158,8 @@ def report(rows: list[dict]) -> str:
         lines += ["", "Medians over the rounds, lmengine / vLLM (above 1 is better for the"]
         lines += ["throughput, below 1 for the latencies):", ""]
         for load in LOADS:
+            if not any(r["load"] == load for r in rows):
+                continue
             parts = []
             for header, key, _ in COLUMNS:
                 med = {
@@ -191,6 +195,13 @@ def main(argv: list[str] | None = None) -> int:
         "--lmengine-model", default=None, help="what lmengine serves (default: --hf-model)"
     )
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument(
+        "--load",
+        dest="loads",
+        action="append",
+        choices=list(LOADS),
+        help="run only this load (repeatable; default: all three)",
+    )
     p.add_argument("--no-vllm-server", action="store_true", help="measure lmengine only")
     p.add_argument("--force", action="store_true", help="run even if the CPUs are busy")
     p.add_argument("--json", metavar="PATH", help="also write every run as JSON")

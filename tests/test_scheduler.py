@@ -139,6 +139,20 @@ def test_block_pool_double_free_is_caught():
         bm.device.free(table)
 
 
+def test_block_pool_reuses_the_last_freed_blocks_first():
+    """The most recently freed blocks are the ones most likely still in the CPU's caches."""
+    bm = BlockManager(8, 0, 2)
+    a, b = make_seq(0, 4), make_seq(1, 4)
+    bm.allocate(a, 4)
+    bm.allocate(b, 4)
+    freed_last = list(b.block_table)
+    bm.free(a)
+    bm.free(b)
+    c = make_seq(2, 4)
+    bm.allocate(c, 4)
+    assert sorted(c.block_table) == sorted(freed_last)
+
+
 @pytest.mark.parametrize("seed", range(16))
 def test_random_workload_keeps_integrity_and_finishes(seed):
     rng = random.Random(seed)

@@ -57,7 +57,9 @@ def _prompts(path: str) -> list[list[int]]:
     return random_prompts(LENGTHS, AutoConfig.from_pretrained(path).vocab_size, seed=3)
 
 
-def _run(path: str, tp: int, threads: int, prompts=None, **cfg) -> tuple[list, dict, Engine]:
+def _run(
+    path: str, tp: int, threads: int, prompts=None, stagger_s: float = 0.0, **cfg
+) -> tuple[list, dict, Engine]:
     # NOTE: device="cpu": these tests are about gloo; on a GPU machine tp=2 would need 2 GPUs
     engine = Engine.from_pretrained(path, EngineConfig(tp=tp, device="cpu", **cfg))
     got = run_threads(
@@ -65,6 +67,7 @@ def _run(path: str, tp: int, threads: int, prompts=None, **cfg) -> tuple[list, d
         prompts or _prompts(path),
         GenerationConfig(max_new_tokens=NEW),
         num_threads=threads,
+        stagger_s=stagger_s,
         together=True,  # the first step sees every thread's request: preemption by design
     )
     return [r.token_ids for r in got if r.finish_reason in ("stop", "length")], got, engine
@@ -111,15 +114,17 @@ def test_tp2_with_speculative_decoding_equals_tp1(tiny_llama_path, method):
     speculation, under preemption and threads, and drafts were proposed and accepted."""
     # prompts that repeat themselves, so that prompt lookup finds drafts the model accepts
     prompts = [p * 2 for p in _prompts(tiny_llama_path)]  # at most 80 tokens
-    # NOTE: all six at once: with three threads running two each, the long ones might not
-    # overlap (and so not preempt)
+    # NOTE: all six at once (with three threads running two each, the long ones might not
+    # overlap), queued in this order: whether the pool runs out depends on the order (of 24
+    # orders tried, one never preempted), so thread t submits 0.1 s after thread t - 1
+    prompts = [prompts[i] for i in (4, 3, 1, 0, 5, 2)]  # 6, 66, 10, 2, 80, 34 tokens
     expected, _, ref = _run(tiny_llama_path, 1, threads=6, prompts=prompts, **PREEMPT)
     ref.close()
     spec = {"method": method, "num_speculative_tokens": 3}
     if method == "draft_model":
         spec["draft_model"] = tiny_llama_path
     got, responses, engine = _run(
-        tiny_llama_path, 2, threads=6, prompts=prompts, speculative=spec, **PREEMPT
+        tiny_llama_path, 2, threads=6, prompts=prompts, stagger_s=0.1, speculative=spec, **PREEMPT
     )
     procs = list(engine.model_agent.workers.procs.values())
     try:

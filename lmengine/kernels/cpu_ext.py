@@ -37,7 +37,7 @@ _SOURCES = [
     )
 ]
 # included by the sources: part of the build's hash
-_HEADERS = [_CSRC / "vec_math.h", _CSRC / "mkl_cblas.h"]
+_HEADERS = [_CSRC / "vec_math.h", _CSRC / "mkl_cblas.h", _CSRC / "bindings.h"]
 # NOTE: -fno-trapping-math: without it GCC does not if-convert the clamps and the final select
 # of exp_approx (a float multiply it would have to speculate "could trap"), so every
 # `#pragma omp simd` loop calling it stayed scalar (silu 6x, decode attention ~20 % slower).

@@ -14,6 +14,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "bindings.h"
 #include "vec_math.h"
 
 namespace {
@@ -529,16 +530,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_gguf_ops(m);
   register_sgemm_packed_ops(m);
   register_prefill_attention_ops(m);
-  m.def("argmax_rows", &argmax_rows, "first index of each row's maximum (float32 [M, N])",
+  m.def("argmax_rows", &argmax_rows, release_gil(), "first index of each row's maximum (float32 [M, N])",
         py::arg("x"));
-  m.def("logsumexp_max_rows", &logsumexp_max_rows,
+  m.def("logsumexp_max_rows", &logsumexp_max_rows, release_gil(),
         "log-sum-exp, maximum and its first index of selected rows (float32 [M, N])",
         py::arg("x"), py::arg("rows"));
-  m.def("paged_decode_attention", &paged_decode_attention,
+  m.def("paged_decode_attention", &paged_decode_attention, release_gil(),
         "decode attention over the paged KV cache (float32, CPU)", py::arg("q"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("kv_lens"),
         py::arg("scale"), py::arg("sliding_window") = 0, py::arg("softcap") = 0.0);
-  m.def("paged_decode_attention_int8", &paged_decode_attention_int8,
+  m.def("paged_decode_attention_int8", &paged_decode_attention_int8, release_gil(),
         "decode attention over the paged int8 KV cache (float32 queries, CPU)", py::arg("q"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("k_scale"), py::arg("v_scale"),
         py::arg("block_tables"), py::arg("kv_lens"), py::arg("scale"),

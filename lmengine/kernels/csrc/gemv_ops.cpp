@@ -12,6 +12,7 @@
 
 #include <algorithm>
 
+#include "bindings.h"
 #include "vec_math.h"  // v16f, load16, hsum16
 
 namespace {
@@ -97,6 +98,6 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const c10::optional<at
 }
 
 void register_gemv_ops(py::module& m) {
-  m.def("gemv", &gemv, "float32 x [M<=8, K] @ w[N, K]^T (+ bias): a weight-streaming GEMV",
+  m.def("gemv", &gemv, release_gil(), "float32 x [M<=8, K] @ w[N, K]^T (+ bias): a weight-streaming GEMV",
         py::arg("x"), py::arg("w"), py::arg("bias") = py::none());
 }

@@ -24,6 +24,7 @@
 #ifdef __F16C__
 #include <immintrin.h>
 
+#include "bindings.h"
 #include "vec_math.h"  // v16f, v16i32, load16
 #endif
 
@@ -210,10 +211,10 @@ at::Tensor gguf_dequantize(const at::Tensor& w, int64_t qtype, int64_t k) {
 }
 
 void register_gguf_ops(py::module& m) {
-  m.def("gguf_gemv", &gguf_gemv,
+  m.def("gguf_gemv", &gguf_gemv, release_gil(),
         "float32 x [M<=8, K] @ w^T (+ bias), w as GGUF blocks (Q4_0, Q4_1, Q8_0) [N, row bytes]",
         py::arg("x"), py::arg("w"), py::arg("qtype"), py::arg("bias") = py::none());
-  m.def("gguf_dequantize", &gguf_dequantize,
+  m.def("gguf_dequantize", &gguf_dequantize, release_gil(),
         "GGUF blocks (Q4_0, Q4_1, Q8_0) [N, row bytes] holding rows of K weights -> float32 "
         "[N, K]",
         py::arg("w"), py::arg("qtype"), py::arg("k"));

@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "bindings.h"
 #include "vec_math.h"
 
 constexpr int64_t kElemsPerTask = 131072;
@@ -80,8 +81,8 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
 }
 
 void register_layer_ops(py::module& m) {
-  m.def("rms_norm", &rms_norm, "RMSNorm, after the residual add when given (float32, CPU)",
+  m.def("rms_norm", &rms_norm, release_gil(), "RMSNorm, after the residual add when given (float32, CPU)",
         py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("residual") = py::none());
-  m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused gate/up output (float32, CPU)",
+  m.def("silu_mul", &silu_mul, release_gil(), "silu(gate) * up of a fused gate/up output (float32, CPU)",
         py::arg("gate_up"));
 }

@@ -20,6 +20,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "bindings.h"
+
 namespace {
 
 constexpr int64_t kMaxRank = 256;
@@ -165,7 +167,7 @@ void lora_sgmv(at::Tensor& out, const at::Tensor& x, const at::Tensor& lora_a,
 }
 
 void register_lora_ops(py::module& m) {
-  m.def("lora_sgmv", &lora_sgmv,
+  m.def("lora_sgmv", &lora_sgmv, release_gil(),
         "out += per-token LoRA over adapter segments, pages read in place (float32, CPU)",
         py::arg("out"), py::arg("x"), py::arg("lora_a"), py::arg("lora_b"),
         py::arg("lora_scale"), py::arg("lora_cols"), py::arg("page_table"),

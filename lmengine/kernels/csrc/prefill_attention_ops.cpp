@@ -25,6 +25,7 @@
 #include <limits>
 #include <vector>
 
+#include "bindings.h"
 #include "mkl_cblas.h"
 #include "vec_math.h"
 
@@ -213,9 +214,9 @@ void paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
 }
 
 void register_prefill_attention_ops(py::module& m) {
-  m.def("prefill_attention_available", &prefill_attention_available,
+  m.def("prefill_attention_available", &prefill_attention_available, release_gil(),
         "whether this torch exports the MKL GEMM the prefill attention runs on");
-  m.def("paged_prefill_attention", &paged_prefill_attention,
+  m.def("paged_prefill_attention", &paged_prefill_attention, release_gil(),
         "causal attention of prompt chunks over the paged KV cache (float32, CPU)", py::arg("q"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("tables"), py::arg("q_start"),
         py::arg("q_lens"), py::arg("kv_lens"), py::arg("scale"), py::arg("out"));

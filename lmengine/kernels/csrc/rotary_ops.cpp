@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "bindings.h"
 #include "vec_math.h"
 
 namespace {
@@ -119,7 +120,7 @@ at::Tensor rotary_fill_kv(const at::Tensor& q, const at::Tensor& k, const at::Te
 }
 
 void register_rotary_ops(py::module& m) {
-  m.def("rotary_fill_kv", &rotary_fill_kv,
+  m.def("rotary_fill_kv", &rotary_fill_kv, release_gil(),
         "rotary on q and k, rotated k and v written to their paged cache slots (float32, CPU)",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("cos"), py::arg("sin"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("slot_mapping"));

@@ -23,6 +23,7 @@
 
 #include <cstring>
 
+#include "bindings.h"
 #include "mkl_cblas.h"
 
 namespace {
@@ -96,11 +97,11 @@ at::Tensor sgemm_packed_linear(const at::Tensor& x, const at::Tensor& packed,
 }
 
 void register_sgemm_packed_ops(py::module& m) {
-  m.def("sgemm_packed_available", &sgemm_packed_available,
+  m.def("sgemm_packed_available", &sgemm_packed_available, release_gil(),
         "whether this torch exports MKL's packed GEMM");
-  m.def("sgemm_pack", &sgemm_pack, "MKL-pack a float32 weight [N, K] for x @ W^T",
+  m.def("sgemm_pack", &sgemm_pack, release_gil(), "MKL-pack a float32 weight [N, K] for x @ W^T",
         py::arg("weight"), py::arg("rows_hint"));
-  m.def("sgemm_packed_linear", &sgemm_packed_linear,
+  m.def("sgemm_packed_linear", &sgemm_packed_linear, release_gil(),
         "float32 x [M, K] @ W^T (+ bias) on a weight from sgemm_pack", py::arg("x"),
         py::arg("packed"), py::arg("weight"), py::arg("bias") = py::none());
 }
