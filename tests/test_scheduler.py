@@ -79,6 +79,24 @@ def test_long_prompt_is_chunked_within_budget():
     assert a.num_tokens == 11 and a.num_computed_tokens == 10
 
 
+@pytest.mark.parametrize(
+    "second, expected",
+    [
+        (8, [(0, 10), (1, 8)]),  # 2 over the 6 left: within the slack of 16 / 8, finished now
+        (9, [(0, 10), (1, 6)]),  # 3 over: a chunk of the 6 left, the tail waits a step
+        (30, [(0, 10), (1, 6)]),
+    ],
+)
+def test_a_prompt_finishes_in_the_step_when_it_overruns_the_budget_by_little(second, expected):
+    s = make_scheduler(num_blocks=64, budget=16)
+    s.add_sequence(make_seq(0, 10, arrival=0))
+    s.add_sequence(make_seq(1, second, arrival=1))
+    s.add_sequence(make_seq(2, 5, arrival=2))  # no budget left for it either way
+    out = fake_step(s)
+    assert [(it.seq.seq_id, it.num_new_tokens) for it in out.scheduled] == expected
+    assert out.num_prefill_tokens == sum(n for _, n in expected)
+
+
 def test_max_batch_size_limits_running():
     s = make_scheduler(max_batch=2)
     for i in range(4):
