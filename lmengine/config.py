@@ -141,7 +141,7 @@ class EngineConfig:
     num_cpu_blocks: int = 0  # host KV blocks for swap (0 = no swap space)
     cache_max_entry_count: float = 0.2  # fraction of free memory given to the KV pool
     max_batch_size: int = 128  # sequences per step
-    max_prefill_token_num: int = 4096  # prompt tokens computed per step (longer: chunked)
+    max_prefill_token_num: int = 4096  # prompt tokens per step (up to 1/8 more to finish a prompt)
     session_len: int | None = None  # max prompt + generated tokens; None = model's limit
     eviction_type: str = "recompute"  # how to preempt when blocks run out
     scheduling_policy: str = "fcfs"

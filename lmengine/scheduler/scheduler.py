@@ -2,9 +2,7 @@
 
 There are no separate prefill and decode phases. Each step every scheduled sequence gets the
 tokens it has not computed yet: one for a decode, a chunk of its prompt for a prefill, limited
-by `max_prefill_token_num` prompt tokens per step and `max_batch_size` sequences. A prompt
-whose rest overruns the budget left by at most an eighth of the budget is finished in the step
-instead of leaving that tail for the next one (PREFILL_SLACK).
+by `max_prefill_token_num` prompt tokens per step (budget.py) and `max_batch_size` sequences.
 
 1. Running sequences are served first, in serving order; when blocks run out the last one in
    that order (the victim) is preempted: by swap (its KV blocks copied to the host pool, it
@@ -33,6 +31,7 @@ from collections.abc import Iterable
 
 from lmengine.scheduler.adapter_manager import AdapterManager
 from lmengine.scheduler.block_manager import BlockManager
+from lmengine.scheduler.budget import prefill_chunk
 from lmengine.scheduler.ordering import ServingOrder
 from lmengine.scheduler.output import ScheduledSequence, SchedulerOutput
 from lmengine.scheduler.policies import Policy
@@ -40,15 +39,6 @@ from lmengine.scheduler.qos import QoS
 from lmengine.scheduler.sequence import Sequence, SequenceStatus
 
 __all__ = ["ScheduledSequence", "Scheduler", "SchedulerOutput"]
-
-
-# NOTE: a prompt's first token comes with the step that computes its last chunk. Cutting a step
-# exactly at the budget leaves the prompt that straddles it a short tail, and its first token
-# a whole step later, to save a few percent of this step. Over a burst of 64 prompts of 100
-# tokens with 1,024-token steps, every step left such a tail: ten prompts finished per step
-# instead of eleven, and the median first token (vllm bench serve, all at once) came one step
-# later. Steps may run up to 1/8 over the budget for this.
-PREFILL_SLACK = 1 / 8
 
 
 class Scheduler:
@@ -206,16 +196,10 @@ class Scheduler:
         return out
 
     def _num_new_tokens(self, seq: Sequence) -> int:
-        """Tokens `seq` computes this step: 1 for a decode, else a chunk within the budget
-        left, or the whole rest of its prompt when that overruns the budget by at most the
-        slack."""
+        """Tokens `seq` computes this step: 1 for a decode, else a chunk within the budget."""
         num_new = seq.num_tokens - seq.num_computed_tokens
-        budget = self._prefill_budget
-        if num_new <= 1:
-            return num_new
-        if budget > 0 and num_new <= budget + int(self.max_prefill_token_num * PREFILL_SLACK):
-            return num_new
-        return max(0, min(num_new, budget))
+        budget = self._prefill_budget, self.max_prefill_token_num  # (left, per step)
+        return num_new if num_new <= 1 else prefill_chunk(num_new, *budget)
 
     def _lookahead(self, seq: Sequence, num_new: int) -> int:
         """Draft slots for `seq` this step: only a decode (its last token is computed now)

@@ -172,21 +172,24 @@ void paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
       std::fill(row_sum.begin(), row_sum.begin() + m, 0.f);
       for (int64_t k0 = 0; k0 < key_end; k0 += kK) {
         const int64_t kn = std::min<int64_t>(kK, key_end - k0);
+        // the vector loops' width: a short tile (a short prompt's, a row block's last) costs
+        // its own width, not the whole tile's
+        const int64_t kn16 = (kn + 15) / 16 * 16;
         sgemm_row_nt(m, kn, dim, qt.data(), dim, keys + k0 * dim, dim, 0.f, st.data(), kK);
         const bool reaches_limit = k0 + kn > first_pos;  // some row cannot see every key
         for (int64_t r = 0; r < m; ++r) {
           float* srow = st.data() + r * kK;
           // keys past the row's own position (and past the tile): -inf, so that every loop
-          // below runs over the whole tile
+          // below runs over whole vectors
           const int64_t visible =
               reaches_limit ? std::clamp<int64_t>(first_pos + r % t.rows + 1 - k0, 0, kn) : kn;
-          std::fill(srow + visible, srow + kK, neg_inf);
+          std::fill(srow + visible, srow + kn16, neg_inf);
           // a row that sees no key of this tile keeps its maximum; exp(-inf - mx) = 0
-          const float mx = max16(srow, kK, row_max[r]);
+          const float mx = max16(srow, kn16, row_max[r]);
           const float alpha = exp_approx(row_max[r] - mx);  // 0 on the first tile (-inf)
           v16f sums = {};
           const v16f vmx = v16f{} + mx;
-          for (int64_t j = 0; j < kK; j += 16) {
+          for (int64_t j = 0; j < kn16; j += 16) {
             v16f* v = reinterpret_cast<v16f*>(srow + j);
             *v = exp16(*v - vmx);
             sums += *v;

@@ -1,0 +1,117 @@
+"""Tiny random Llamas written as GGUF files by the test (Q4_0, Q4_1 and Q8_0 blocks, the
+llama.cpp converter's rotary row order, SmolLM2's tokenizer), loaded through the real loading
+code: computing on their blocks (quant_policy="gguf") gives the greedy tokens of the float32
+model transformers expands the same file to."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from lmengine import Engine, EngineConfig, GenerationConfig
+from lmengine.engine.gguf_blocks import LLAMA_LINEARS as LAYER_TENSORS
+from lmengine.engine.loader import default_gguf_path, resolve_model_path
+from tests.conftest import save_tiny_llama
+from tests.engine_utils import random_prompts, run_threads
+from tests.hf_reference import hf_greedy
+
+Q = gguf.GGMLQuantizationType
+
+LAYOUTS = {  # block type of each linear, and of the token embedding (tied to the LM head)
+    "q4_0": dict.fromkeys([*LAYER_TENSORS, "token_embd"], Q.Q4_0),
+    "q4_1": dict.fromkeys([*LAYER_TENSORS, "token_embd"], Q.Q4_1),
+    "mixed": {  # the parts of a merged linear (qkv, gate_up) share one type
+        **dict.fromkeys(["attn_q", "attn_k", "attn_v"], Q.Q4_0),
+        **dict.fromkeys(["attn_output", "ffn_gate", "ffn_up"], Q.Q4_1),
+        "ffn_down": Q.Q8_0,
+        "token_embd": Q.Q8_0,  # as SmolLM2's file has it
+    },
+}
+
+
+def converter_row_order(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """A query / key projection's rows as llama.cpp's converter stores them (its rotary layout:
+    each head's two halves interleaved)."""
+    rows = w.shape[0]
+    return w.reshape(num_heads, 2, rows // num_heads // 2, -1).swapaxes(1, 2).reshape(rows, -1)
+
+
+def write_llama_gguf(path, hf_folder: str, qtypes: dict) -> str:
+    """The transformers Llama in `hf_folder` (tied embeddings) as a GGUF file at `path`, its
+    linears and embedding quantized by the gguf package as `qtypes` says, its norms float32,
+    its tokenizer copied from SmolLM2's file."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(hf_folder)
+    state = load_file(f"{hf_folder}/model.safetensors")
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    writer.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    writer.add_vocab_size(cfg.vocab_size)
+    for field in gguf.GGUFReader(str(default_gguf_path())).fields.values():
+        if field.name.startswith("tokenizer."):
+            vtype = field.types[0]
+            sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+            writer.add_key_value(field.name, field.contents(), vtype, sub_type=sub)
+
+    def add(name: str, weight: torch.Tensor, qtype=None) -> None:
+        data = weight.float().numpy()
+        if qtype is None:
+            writer.add_tensor(name, data)
+        else:
+            writer.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+
+    add("token_embd.weight", state["model.embed_tokens.weight"], qtypes["token_embd"])
+    add("output_norm.weight", state["model.norm.weight"])
+    heads = {"attn_q": cfg.num_attention_heads, "attn_k": cfg.num_key_value_heads}
+    for i in range(cfg.num_hidden_layers):
+        prefix = f"model.layers.{i}."
+        add(f"blk.{i}.attn_norm.weight", state[prefix + "input_layernorm.weight"])
+        add(f"blk.{i}.ffn_norm.weight", state[prefix + "post_attention_layernorm.weight"])
+        for part, hf_name in LAYER_TENSORS.items():
+            weight = state[f"{prefix}{hf_name}.weight"]
+            if part in heads:
+                weight = torch.from_numpy(converter_row_order(weight.numpy(), heads[part]))
+            add(f"blk.{i}.{part}.weight", weight, qtypes[part])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def tiny_hf(tmp_path_factory, smollm2_path) -> str:
+    return save_tiny_llama(
+        tmp_path_factory.mktemp("tiny_gguf_src"), smollm2_path, seed=5, tie_word_embeddings=True
+    )
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_tiny_gguf_blocks_give_the_expanded_models_greedy_tokens(tmp_path, tiny_hf, layout):
+    path = write_llama_gguf(tmp_path / f"tiny-{layout}.gguf", tiny_hf, LAYOUTS[layout])
+    expanded = resolve_model_path(path)  # transformers' float32 expansion of the file
+    prompts = random_prompts([1, 6, 19, 40, 71], 49152, seed=len(layout))
+    expected = hf_greedy(expanded, prompts, 12)
+    # a small pool and budget: chunked prompts and preemption, rows through the GEMV (<= 8
+    # rows) and the GEMM paths
+    cfg = EngineConfig(
+        quant_policy="gguf", block_size=4, num_gpu_blocks=40, max_prefill_token_num=24
+    )
+    with Engine.from_pretrained(path, cfg) as engine:
+        kinds = [type(m).__name__ for m in engine.model_agent.runner.model.modules()]
+        assert kinds.count("GGUFLinear") == 2 * 4  # per layer: qkv, o, gate_up, down
+        got = run_threads(engine, prompts, GenerationConfig(max_new_tokens=12), together=True)
+        assert engine.stats()["num_preemptions"] > 0
+        engine.check_integrity()
+    assert [r.token_ids for r in got] == expected
