@@ -6,8 +6,9 @@ it imports nothing but the standard library and the engine it drives:
     PYTHON benchmarks/peer_engines.py ENGINE --workloads WL.json --out RESULT.json
         [--model PATH] [--reps 2] [--threads N]
 
-ENGINE is `lmengine`, `lmengine-gguf` (lmengine computing on a GGUF file's blocks) or `vllm`
-(its CPU build, float32). WL.json holds {"W1": {"prompts": [[ids...]], "max_new_tokens": N},
+ENGINE is `lmengine`, `lmengine-gguf` (lmengine computing on a GGUF file's blocks), `vllm`
+(its CPU build, float32) or `llamacpp` (llama.cpp through llama-cpp-python, on a GGUF file,
+batched). WL.json holds {"W1": {"prompts": [[ids...]], "max_new_tokens": N},
 "W2": ..., "W3": ...}. Every engine runs as its users run it offline: all of a workload's
 prompts handed over in one call, greedy, EOS ignored; building the engine and one warm-up call
 are not timed.
@@ -66,10 +67,87 @@ def vllm_generator(args: argparse.Namespace):
     return generate
 
 
+def llamacpp_generator(args: argparse.Namespace):
+    """llama.cpp batched as its own batched examples run it, through llama-cpp-python's
+    low-level API: one sequence id (and KV stream) per prompt; the prompts packed into decode
+    calls of up to 2,048 tokens, then one call per step with one token of every sequence;
+    greedy = the argmax of each sequence's logits."""
+    import os
+
+    import llama_cpp as lc
+    import numpy as np
+
+    lc.llama_backend_init()
+    model_params = lc.llama_model_default_params()
+    # NOTE: llama.cpp 0.3.36 repacks Q4_1 weights for AMX where the CPU has it, and its first
+    # decode then crashes (Intel Xeon, family 6, model 167); its plain CPU kernels run instead
+    model_params.use_extra_bufts = os.environ.get("LMENGINE_PEER_LLAMACPP_AMX") == "1"
+    model = lc.llama_model_load_from_file(args.model.encode(), model_params)
+    if not model:
+        raise RuntimeError(f"llama.cpp could not load {args.model}")
+    vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(model))
+    threads = args.threads or os.cpu_count() or 1
+    max_batch = 2048
+    batch = lc.llama_batch_init(max_batch, 0, 1)
+    contexts: dict[tuple[int, int], object] = {}
+
+    def context(num_seqs: int, cells: int):
+        """A context with `cells` KV cells per sequence, kept while the shape repeats."""
+        if (num_seqs, cells) not in contexts:
+            for old in contexts.values():
+                lc.llama_free(old)
+            contexts.clear()
+            params = lc.llama_context_default_params()
+            params.n_ctx, params.n_seq_max = num_seqs * cells, num_seqs
+            params.n_batch, params.n_ubatch, params.kv_unified = max_batch, 512, False
+            params.n_threads = params.n_threads_batch = threads
+            contexts[(num_seqs, cells)] = lc.llama_init_from_model(model, params)
+        return contexts[(num_seqs, cells)]
+
+    def generate(prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+        cells = -(-(max(map(len, prompts)) + new_tokens) // 256) * 256
+        ctx = context(len(prompts), cells)
+        lc.llama_memory_clear(lc.llama_get_memory(ctx), True)
+        outs: list[list[int]] = [[] for _ in prompts]
+        sampled: dict[int, int] = {}  # sequence -> its row in the batch whose logits it takes
+
+        def put(token: int, pos: int, seq: int, logits: bool) -> None:
+            i = batch.n_tokens
+            batch.token[i], batch.pos[i], batch.n_seq_id[i] = token, pos, 1
+            batch.seq_id[i][0], batch.logits[i] = seq, logits
+            batch.n_tokens = i + 1
+
+        def decode() -> None:
+            if batch.n_tokens and lc.llama_decode(ctx, batch) != 0:
+                raise RuntimeError("llama_decode failed")
+            for seq, row in sampled.items():
+                logits = np.ctypeslib.as_array(lc.llama_get_logits_ith(ctx, row), shape=(vocab,))
+                outs[seq].append(int(logits.argmax()))
+            batch.n_tokens = 0
+            sampled.clear()
+
+        for seq, prompt in enumerate(prompts):
+            if batch.n_tokens + len(prompt) > max_batch:
+                decode()
+            for pos, token in enumerate(prompt):
+                put(token, pos, seq, pos == len(prompt) - 1)
+            sampled[seq] = batch.n_tokens - 1
+        decode()
+        for step in range(1, new_tokens):
+            for seq, prompt in enumerate(prompts):
+                put(outs[seq][-1], len(prompt) + step - 1, seq, True)
+                sampled[seq] = batch.n_tokens - 1
+            decode()
+        return outs
+
+    return generate
+
+
 GENERATORS = {
     "lmengine": lmengine_generator,
     "lmengine-gguf": lmengine_generator,
     "vllm": vllm_generator,
+    "llamacpp": llamacpp_generator,
 }
 
 

