@@ -530,7 +530,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_gguf_ops(m);
   register_sgemm_packed_ops(m);
   register_prefill_attention_ops(m);
-  m.def("argmax_rows", &argmax_rows, release_gil(), "first index of each row's maximum (float32 [M, N])",
+  m.def("argmax_rows", &argmax_rows, release_gil(),
+        "first index of each row's maximum (float32 [M, N])",
         py::arg("x"));
   m.def("logsumexp_max_rows", &logsumexp_max_rows, release_gil(),
         "log-sum-exp, maximum and its first index of selected rows (float32 [M, N])",

@@ -98,6 +98,7 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const c10::optional<at
 }
 
 void register_gemv_ops(py::module& m) {
-  m.def("gemv", &gemv, release_gil(), "float32 x [M<=8, K] @ w[N, K]^T (+ bias): a weight-streaming GEMV",
+  m.def("gemv", &gemv, release_gil(),
+        "float32 x [M<=8, K] @ w[N, K]^T (+ bias): a weight-streaming GEMV",
         py::arg("x"), py::arg("w"), py::arg("bias") = py::none());
 }

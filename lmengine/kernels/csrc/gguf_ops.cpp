@@ -23,8 +23,10 @@
 #include <cstring>
 #ifdef __F16C__
 #include <immintrin.h>
+#endif
 
 #include "bindings.h"
+#ifdef __F16C__
 #include "vec_math.h"  // v16f, v16i32, load16
 #endif
 

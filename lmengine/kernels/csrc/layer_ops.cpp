@@ -81,8 +81,10 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
 }
 
 void register_layer_ops(py::module& m) {
-  m.def("rms_norm", &rms_norm, release_gil(), "RMSNorm, after the residual add when given (float32, CPU)",
+  m.def("rms_norm", &rms_norm, release_gil(),
+        "RMSNorm, after the residual add when given (float32, CPU)",
         py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("residual") = py::none());
-  m.def("silu_mul", &silu_mul, release_gil(), "silu(gate) * up of a fused gate/up output (float32, CPU)",
+  m.def("silu_mul", &silu_mul, release_gil(),
+        "silu(gate) * up of a fused gate/up output (float32, CPU)",
         py::arg("gate_up"));
 }

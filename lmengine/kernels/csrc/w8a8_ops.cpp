@@ -295,14 +295,18 @@ at::Tensor w8a8_linear_float(const at::Tensor& x, const at::Tensor& w, const at:
 }
 
 void register_w8a8_ops(py::module& m) {
-  m.def("w8a8_quant", &w8a8_quant, release_gil(), "per-token int8 quantization (float32 [M, K])", py::arg("x"));
-  m.def("w8a8_linear", &w8a8_linear, release_gil(), "int8 GEMM + dequantizing epilogue", py::arg("q"),
+  m.def("w8a8_quant", &w8a8_quant, release_gil(),
+        "per-token int8 quantization (float32 [M, K])", py::arg("x"));
+  m.def("w8a8_linear", &w8a8_linear, release_gil(),
+        "int8 GEMM + dequantizing epilogue", py::arg("q"),
         py::arg("a_scale"), py::arg("w"), py::arg("w_scale"), py::arg("bias") = py::none(),
         py::arg("packed") = py::none());
-  m.def("w8a8_linear_float", &w8a8_linear_float, release_gil(), "per-token quantization + w8a8_linear",
+  m.def("w8a8_linear_float", &w8a8_linear_float, release_gil(),
+        "per-token quantization + w8a8_linear",
         py::arg("x"), py::arg("w"), py::arg("w_scale"), py::arg("bias") = py::none(),
         py::arg("packed") = py::none());
-  m.def("w8a8_pack", &w8a8_pack, release_gil(), "int8 weight [N, K] in oneDNN's matmul layout (or None)",
+  m.def("w8a8_pack", &w8a8_pack, release_gil(),
+        "int8 weight [N, K] in oneDNN's matmul layout (or None)",
         py::arg("w"));
   m.def("w8a8_silu_mul", &w8a8_silu_mul, release_gil(),
         "silu(gate) * up of a fused gate/up output, quantized per token", py::arg("gate_up"));
