@@ -109,11 +109,12 @@ def paged_attention_cpu(
     out = None
     quantized = k_scale is not None
     kernel = None
-    prefill = None
     if q.dtype == torch.float32:
         kernel = _decode_kernel_int8() if quantized else _decode_kernel()
-        if not quantized and sliding_window is None and softcap is None:
-            prefill = _prefill_kernel()
+    # the compiled prefill kernel is looked up only for a group of prompt chunks: a decode step
+    # never asks for it
+    may_prefill = q.dtype == torch.float32 and not quantized
+    may_prefill = may_prefill and sliding_window is None and softcap is None
     for plan in meta.groups:
         n, max_q = plan.q_index.shape
         if kernel is not None and plan.decode_tables is not None:
@@ -131,7 +132,8 @@ def paged_attention_cpu(
                 out = torch.empty_like(q)
             out[plan.out_tokens] = res
             continue
-        if prefill is not None and plan.prefill_args is not None:
+        prefill = _prefill_kernel() if may_prefill and plan.prefill_args is not None else None
+        if prefill is not None:
             if out is None:
                 out = torch.empty_like(q, memory_format=torch.contiguous_format)
             prefill(q, k_cache, v_cache, *plan.prefill_args, scale, out)  # writes its rows
