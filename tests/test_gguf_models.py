@@ -28,6 +28,8 @@ LAYOUTS = {  # block type of each linear, and of the token embedding (tied to th
         "ffn_down": Q.Q8_0,
         "token_embd": Q.Q8_0,  # as SmolLM2's file has it
     },
+    # an LM head of its own (not tied to the embedding), written as the file's output tensor
+    "untied-head": {**dict.fromkeys(LAYER_TENSORS, Q.Q4_1), "token_embd": Q.Q8_0, "output": Q.Q4_0},
 }
 
 
@@ -39,8 +41,8 @@ def converter_row_order(w: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 def write_llama_gguf(path, hf_folder: str, qtypes: dict) -> str:
-    """The transformers Llama in `hf_folder` (tied embeddings) as a GGUF file at `path`, its
-    linears and embedding quantized by the gguf package as `qtypes` says, its norms float32,
+    """The transformers Llama in `hf_folder` as a GGUF file at `path`, its linears, embedding
+    and (untied) output head quantized by the gguf package as `qtypes` says, its norms float32,
     its tokenizer copied from SmolLM2's file."""
     from safetensors.torch import load_file
     from transformers import AutoConfig
@@ -73,6 +75,8 @@ def write_llama_gguf(path, hf_folder: str, qtypes: dict) -> str:
 
     add("token_embd.weight", state["model.embed_tokens.weight"], qtypes["token_embd"])
     add("output_norm.weight", state["model.norm.weight"])
+    if "output" in qtypes:
+        add("output.weight", state["lm_head.weight"], qtypes["output"])
     heads = {"attn_q": cfg.num_attention_heads, "attn_k": cfg.num_key_value_heads}
     for i in range(cfg.num_hidden_layers):
         prefix = f"model.layers.{i}."
@@ -97,9 +101,19 @@ def tiny_hf(tmp_path_factory, smollm2_path) -> str:
     )
 
 
+@pytest.fixture(scope="module")
+def tiny_hf_untied(tmp_path_factory, smollm2_path) -> str:
+    return save_tiny_llama(
+        tmp_path_factory.mktemp("tiny_gguf_untied"), smollm2_path, seed=6, tie_word_embeddings=False
+    )
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_tiny_gguf_blocks_give_the_expanded_models_greedy_tokens(tmp_path, tiny_hf, layout):
-    path = write_llama_gguf(tmp_path / f"tiny-{layout}.gguf", tiny_hf, LAYOUTS[layout])
+def test_tiny_gguf_blocks_give_the_expanded_models_greedy_tokens(
+    tmp_path, tiny_hf, tiny_hf_untied, layout
+):
+    hf_folder = tiny_hf_untied if "output" in LAYOUTS[layout] else tiny_hf
+    path = write_llama_gguf(tmp_path / f"tiny-{layout}.gguf", hf_folder, LAYOUTS[layout])
     expanded = resolve_model_path(path)  # transformers' float32 expansion of the file
     prompts = random_prompts([1, 6, 19, 40, 71], 49152, seed=len(layout))
     expected = hf_greedy(expanded, prompts, 12)
@@ -111,6 +125,8 @@ def test_tiny_gguf_blocks_give_the_expanded_models_greedy_tokens(tmp_path, tiny_
     with Engine.from_pretrained(path, cfg) as engine:
         kinds = [type(m).__name__ for m in engine.model_agent.runner.model.modules()]
         assert kinds.count("GGUFLinear") == 2 * 4  # per layer: qkv, o, gate_up, down
+        # the LM head: decode steps (<= 8 rows) on the embedding's or output's blocks
+        assert kinds.count("GGUFHead") == 1
         got = run_threads(engine, prompts, GenerationConfig(max_new_tokens=12), together=True)
         assert engine.stats()["num_preemptions"] > 0
         engine.check_integrity()
