@@ -40,7 +40,8 @@ def test_expansion_is_the_gguf_packages_bit_for_bit(name, shape, cpu_path):
 
 
 @pytest.mark.parametrize("name", TYPES)
-@pytest.mark.parametrize("rows", [1, 2, 5, 8, 9, 33])  # 9 and 33: past the GEMV
+# 9, 33, 80: past the GEMV, on the tiled GEMM; 81: past it, on the expansion
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 9, 33, 80, 81])
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("inference", [False, True])
 def test_linear_equals_the_expanded_weights(name, rows, with_bias, inference, cpu_path):
@@ -55,6 +56,22 @@ def test_linear_equals_the_expanded_weights(name, rows, with_bias, inference, cp
     ref = x.double() @ expanded.double().T + (bias.double() if with_bias else 0)
     # float32 sums of 576 products in another order than the float64 reference
     torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", TYPES)
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 13])  # register tiles of 6 rows, and the rest
+@pytest.mark.parametrize("n", [1, 3, 4, 37, 70])  # tiles of 4 outputs, panels of 32, and tails
+def test_tiled_gemm_covers_every_tile_and_panel_edge(name, rows, n):
+    module = cpu_ext.load()
+    assert module is not None, "the compiled CPU kernels did not build"
+    k = 96
+    blocks, expanded = quantized(name, n, k, seed=n)
+    gen = torch.Generator().manual_seed(rows)
+    x, bias = torch.randn(rows, k, generator=gen), torch.randn(n, generator=gen)
+    got = module.gguf_gemm(x, blocks, QTYPES[name], bias)
+    ref = x.double() @ expanded.double().T + bias.double()
+    torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(module.gguf_gemm(x, blocks, QTYPES[name]), got - bias)
 
 
 def test_unsupported_type_and_bad_rows_are_clear_errors():
