@@ -258,12 +258,27 @@ int64_t check_blocks(const at::Tensor& w, int64_t qtype, int64_t k) {
   return k;
 }
 
-const float* check_bias(const c10::optional<at::Tensor>& bias, int64_t n, const char* op) {
-  if (!bias.has_value()) return nullptr;
-  TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->dim() == 1 &&
-                  bias->size(0) == n,
-              op, ": bias must be a contiguous float32 [N]");
-  return bias->data_ptr<float>();
+// x float32 [M, K] @ blocks [N, row bytes]^T (+ bias [N]): the sizes, once every input is
+// checked
+struct LinearSizes {
+  int64_t m, k, n;
+  const float* bias;
+};
+
+LinearSizes check_linear(const at::Tensor& x, const at::Tensor& w, int64_t qtype,
+                         const c10::optional<at::Tensor>& bias, const char* op) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.is_contiguous() &&
+                  x.dim() == 2,
+              op, ": x must be a contiguous float32 CPU tensor [M, K]");
+  const int64_t k = check_blocks(w, qtype, x.size(1)), n = w.size(0);
+  const float* bp = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
+                    bias->dim() == 1 && bias->size(0) == n,
+                op, ": bias must be a contiguous float32 [N]");
+    bp = bias->data_ptr<float>();
+  }
+  return {x.size(0), k, n, bp};
 }
 
 }  // namespace
@@ -273,13 +288,12 @@ constexpr int kMaxGgufGemvRows = 8;
 // x float32 [M, K] (1 <= M <= 8) @ dequantized(w)^T (+ bias) -> [M, N]
 at::Tensor gguf_gemv(const at::Tensor& x, const at::Tensor& w, int64_t qtype,
                      const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.is_contiguous() &&
-                  x.dim() == 2,
-              "gguf_gemv: x must be a contiguous float32 CPU tensor [M, K]");
-  const int64_t m = x.size(0), k = check_blocks(w, qtype, x.size(1)), n = w.size(0);
+  // NOTE: named members, not a structured binding: the lambda below captures them
+  const LinearSizes sizes = check_linear(x, w, qtype, bias, "gguf_gemv");
+  const int64_t m = sizes.m, k = sizes.k, n = sizes.n;
+  const float* bp = sizes.bias;
   TORCH_CHECK(m >= 1 && m <= kMaxGgufGemvRows, "gguf_gemv: 1 to ", kMaxGgufGemvRows,
               " rows, got ", m);
-  const float* bp = check_bias(bias, n, "gguf_gemv");
   auto y = at::empty({m, n}, x.options());
   const float* xp = x.data_ptr<float>();
   const uint8_t* wp = w.data_ptr<uint8_t>();
@@ -306,11 +320,10 @@ at::Tensor gguf_gemv(const at::Tensor& x, const at::Tensor& w, int64_t qtype,
 // unpacked once per call into a per-thread buffer (gemm_rows)
 at::Tensor gguf_gemm(const at::Tensor& x, const at::Tensor& w, int64_t qtype,
                      const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.is_contiguous() &&
-                  x.dim() == 2,
-              "gguf_gemm: x must be a contiguous float32 CPU tensor [M, K]");
-  const int64_t m = x.size(0), k = check_blocks(w, qtype, x.size(1)), n = w.size(0);
-  const float* bp = check_bias(bias, n, "gguf_gemm");
+  // NOTE: named members, not a structured binding: the lambda below captures them
+  const LinearSizes sizes = check_linear(x, w, qtype, bias, "gguf_gemm");
+  const int64_t m = sizes.m, k = sizes.k, n = sizes.n;
+  const float* bp = sizes.bias;
   auto y = at::empty({m, n}, x.options());
   if (m == 0) return y;
   const float* xp = x.data_ptr<float>();
