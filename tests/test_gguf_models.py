@@ -16,15 +16,20 @@ from lmengine.engine.loader import default_gguf_path, resolve_model_path
 from tests.conftest import save_tiny_llama
 from tests.engine_utils import random_prompts, run_threads
 from tests.hf_reference import hf_greedy
+from tests.test_lora import ADAPTERS, peft_greedy, save_adapter
 
 Q = gguf.GGMLQuantizationType
 
 LAYOUTS = {  # block type of each linear, and of the token embedding (tied to the LM head)
     "q4_0": dict.fromkeys([*LAYER_TENSORS, "token_embd"], Q.Q4_0),
     "q4_1": dict.fromkeys([*LAYER_TENSORS, "token_embd"], Q.Q4_1),
-    "mixed": {  # the parts of a merged linear (qkv, gate_up) share one type
-        **dict.fromkeys(["attn_q", "attn_k", "attn_v"], Q.Q4_0),
-        **dict.fromkeys(["attn_output", "ffn_gate", "ffn_up"], Q.Q4_1),
+    "mixed": {  # the parts of the merged linears (qkv, gate_up) in different types too
+        "attn_q": Q.Q4_0,
+        "attn_k": Q.Q4_1,
+        "attn_v": Q.Q8_0,
+        "attn_output": Q.Q4_1,
+        "ffn_gate": Q.Q4_1,
+        "ffn_up": Q.Q4_0,
         "ffn_down": Q.Q8_0,
         "token_embd": Q.Q8_0,  # as SmolLM2's file has it
     },
@@ -131,3 +136,29 @@ def test_tiny_gguf_blocks_give_the_expanded_models_greedy_tokens(
         assert engine.stats()["num_preemptions"] > 0
         engine.check_integrity()
     assert [r.token_ids for r in got] == expected
+
+
+def test_lora_adapters_on_gguf_blocks_equal_peft_on_the_expanded_model(tmp_path, tiny_hf):
+    """S-LoRA on a GGUF model's blocks: float32 adapters on top of the block kernels, several
+    adapters and the base model in one batch, against peft on transformers' expansion."""
+    path = write_llama_gguf(tmp_path / "tiny-mixed.gguf", tiny_hf, LAYOUTS["mixed"])
+    expanded = resolve_model_path(path)
+    adapter_paths = {
+        name: save_adapter(expanded, tmp_path / name, seed=i, **ADAPTERS[name])
+        for i, name in enumerate(["qv4", "all8rs"])
+    }
+    names = ["qv4", None, "all8rs", "all8rs", "qv4", None]
+    prompts = random_prompts([5, 9, 3, 12, 7, 4], 49152, seed=11)
+    expected = peft_greedy(expanded, adapter_paths, prompts, names)
+    base = peft_greedy(expanded, adapter_paths, prompts, [None] * len(prompts))
+    assert all((e != b) == (name is not None) for name, e, b in zip(names, expected, base))
+    cfg = EngineConfig(quant_policy="gguf", adapters=adapter_paths, num_gpu_blocks=64, block_size=4)
+    with Engine.from_pretrained(path, cfg) as engine:
+        kinds = [type(m).__name__ for m in engine.model_agent.runner.model.modules()]
+        assert kinds.count("LoRAGGUFLinear") == 2 * 4
+        from lmengine.api import Pipeline
+
+        gen = GenerationConfig(max_new_tokens=10, ignore_eos=True)
+        outs = Pipeline(engine)(prompts, gen_config=gen, adapter_name=names)
+        engine.check_integrity()
+    assert [o.token_ids for o in outs] == expected

@@ -160,8 +160,6 @@ def test_gguf_policy_needs_a_gguf_model(tiny_llama_path):
         Engine.from_pretrained(tiny_llama_path, EngineConfig(quant_policy="gguf"))
 
 
-def test_gguf_policy_refuses_what_it_cannot_do_yet():
-    with pytest.raises(ValueError, match="quant_policy='gguf' does not support LoRA adapters"):
-        Engine.from_pretrained(None, EngineConfig(quant_policy="gguf", adapters={"a": "/x"}))
+def test_gguf_policy_with_tp_is_a_clear_error():
     with pytest.raises(ValueError, match="tp > 1 with quant_policy='gguf' is not supported"):
         Engine.from_pretrained(None, EngineConfig(quant_policy="gguf", tp=2, device="cpu"))

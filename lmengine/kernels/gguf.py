@@ -9,7 +9,8 @@ computes with the weights of its float32 expansion.
   `gguf_gemv` (`gemv_kernel`), which unpacks blocks in registers and reads 3.8-6x fewer bytes
   than a float32 GEMV; up to 80 rows (decode batches) through `gguf_gemm`, which unpacks each
   panel of 32 weight rows once into the core's cache and multiplies every row with it; more
-  rows (prefill) expand the weight to float32 first and run a float32 GEMM.
+  rows (prefill) expand the weight to float32 first and run a float32 GEMM. On CUDA, the
+  Triton GEMM of `lmengine.kernels.triton.gguf`, which unpacks the blocks in registers.
 - `dequantize_ref`: the same expansion in PyTorch, the fallback where the compiled kernels are
   not built and the reference of the tests (themselves checked against the gguf package).
 """
@@ -95,6 +96,12 @@ def gguf_linear(
         check_qtype(qtype, k, blocks.shape[-1])
         if x.shape[-1] != k:
             raise ValueError(f"gguf_linear: x has {x.shape[-1]} features, the weight {k}")
+    if x.is_cuda:
+        from lmengine.kernels.triton.gguf import gguf_gemm_triton
+
+        # float32 activations and sums whatever the model's dtype
+        y = gguf_gemm_triton(x.float(), blocks, qtype, None if bias is None else bias.float())
+        return y.to(x.dtype)
     gemv = gemv_kernel(x)
     if gemv is not None:
         return gemv(x.contiguous(), blocks.contiguous(), qtype, bias)

@@ -1,6 +1,7 @@
 """LoRA on the linears of a patched model, without touching any model's forward.
 
-After patching, every linear inside a decoder layer is a `PackedLinear` or a `MergedLinear`.
+After patching, every linear inside a decoder layer is a `PackedLinear` or a `MergedLinear` (or
+the `GGUFLinear` that replaced one: float32 adapters on top of a GGUF file's blocks).
 `find_lora_targets` maps each HF linear name (`model.layers.3.self_attn.q_proj`) to its
 patched module and the slice of its output (`q_proj` is a part of `qkv_proj`); `enable_lora`
 turns one module into its LoRA subclass, which adds the per-token adapter deltas of the
@@ -18,7 +19,7 @@ from torch import nn
 
 from lmengine.kernels.lora import LoRAMeta, lora_add
 from lmengine.models.context import get_step_context
-from lmengine.models.layers import MergedLinear, PackedLinear
+from lmengine.models.layers import GGUFLinear, PackedLinear
 
 _LAYER_RE = re.compile(r"^(?P<prefix>.*\.layers)\.(?P<layer>\d+)\.(?P<kind>.+)$")
 
@@ -68,14 +69,14 @@ def find_lora_targets(model: nn.Module) -> LoRATargets:
     kinds: dict[str, LoRAKind] = {}
     by_hf_name: dict[str, tuple[str, int, int]] = {}
     for name, module in model.named_modules():
-        if not isinstance(module, PackedLinear):
+        if not isinstance(module, (PackedLinear, GGUFLinear)):
             continue
         match = _LAYER_RE.match(name)
         if match is None:
             continue
         layer, kind_name = int(match["layer"]), match["kind"]
         parent = name.rpartition(".")[0]
-        if isinstance(module, MergedLinear):
+        if getattr(module, "source_names", None):  # a MergedLinear (or its GGUFLinear)
             part_names, part_sizes = list(module.source_names), list(module.output_sizes)
         else:
             part_names, part_sizes = [name.rpartition(".")[2]], [module.out_features]
@@ -120,17 +121,21 @@ class LoRALinearMixin:
 _LORA_CLASSES: dict[type, type] = {}
 
 
-def enable_lora(module: PackedLinear, kind: str, num_pages: int) -> None:
+def enable_lora(module: PackedLinear | GGUFLinear, kind: str, num_pages: int) -> None:
     """Turn `module` into its LoRA subclass in place, with an all-zero pool of `num_pages`."""
     cls = type(module)
     if not issubclass(cls, LoRALinearMixin):
         if cls not in _LORA_CLASSES:
             _LORA_CLASSES[cls] = type(f"LoRA{cls.__name__}", (LoRALinearMixin, cls), {})
         module.__class__ = _LORA_CLASSES[cls]
-    weight = module.weight
+    # float32 pages on the blocks of a GGUFLinear, else in the weight's dtype
+    if isinstance(module, PackedLinear):
+        like = module.weight
+    else:
+        like = torch.empty(0, device=module.blocks0.device)
     module.lora_kind = kind
     # [num_pages + 1, in], [num_pages + 1, out], [num_pages + 1]: the last page is padding
-    module.lora_a = weight.new_zeros(num_pages + 1, module.in_features)
-    module.lora_b = weight.new_zeros(num_pages + 1, module.out_features)
-    module.lora_scale = weight.new_zeros(num_pages + 1)
+    module.lora_a = like.new_zeros(num_pages + 1, module.in_features)
+    module.lora_b = like.new_zeros(num_pages + 1, module.out_features)
+    module.lora_scale = like.new_zeros(num_pages + 1)
     module.lora_cols = torch.tensor([[0, module.out_features]] * (num_pages + 1))

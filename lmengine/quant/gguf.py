@@ -1,7 +1,8 @@
 """`quant_policy="gguf"`: a model loaded from a GGUF file computes with the file's own blocks.
 
-After patching, every decoder linear (merged ones too) whose weights the file stores as Q4_0,
-Q4_1 or Q8_0 becomes a `GGUFLinear` holding those blocks instead of their float32 expansion.
+After patching, every decoder linear (merged ones too, whatever mix of types their parts have)
+whose weights the file stores as Q4_0, Q4_1 or Q8_0 becomes a `GGUFLinear` (models/layers.py)
+holding those blocks instead of their float32 expansion.
 Before it replaces a linear, the blocks' expansion is compared with the linear's float weight
 bit for bit, so a file that does not match the checkpoint is an error, never a silently
 different model. Embeddings and norms stay in floating point. So does the LM head, which keeps
@@ -17,32 +18,10 @@ import torch
 from torch import nn
 
 from lmengine.engine.gguf_blocks import GGUFWeight, read_gguf_blocks
-from lmengine.kernels.gguf import check_qtype, gemv_kernel, gguf_linear
-from lmengine.models.layers import MergedLinear, PackedLinear
+from lmengine.kernels.gguf import check_qtype, gemv_kernel
+from lmengine.models.layers import GGUFLinear, MergedLinear, PackedLinear
 
 logger = logging.getLogger("lmengine")
-
-
-class GGUFLinear(nn.Module):
-    """y = x @ W.T (+ b), W as GGUF blocks uint8 [out, row bytes] of one type; float32 x.
-    Keeps `source_names` / `output_sizes` / `split` of the (Merged)PackedLinear it replaces."""
-
-    def __init__(self, weight: GGUFWeight, bias, source_names=None, output_sizes=None) -> None:
-        super().__init__()
-        self.in_features = weight.in_features
-        self.out_features = weight.out_features
-        self.qtype = weight.qtype
-        check_qtype(self.qtype, self.in_features, weight.blocks.shape[1])  # once, not per step
-        self.register_buffer("blocks", weight.blocks)
-        self.register_buffer("bias", None if bias is None else bias.detach().clone())
-        self.source_names = source_names
-        self.output_sizes = output_sizes or [self.out_features]
-
-    def split(self, out: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return out.split_with_sizes(self.output_sizes, dim=-1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return gguf_linear(x, self.blocks, self.qtype, self.in_features, self.bias, checked=True)
 
 
 class GGUFHead(PackedLinear):
@@ -59,7 +38,7 @@ class GGUFHead(PackedLinear):
     def convert(cls, module: PackedLinear, weight: GGUFWeight) -> GGUFHead:
         check_qtype(weight.qtype, module.in_features, weight.blocks.shape[1])
         module.__class__ = cls
-        module.register_buffer("blocks", weight.blocks, persistent=False)
+        module.register_buffer("blocks", weight.blocks.to(module.weight.device), persistent=False)
         module.qtype = weight.qtype
         return module
 
@@ -80,8 +59,8 @@ def _head_blocks(model: nn.Module, blocks: dict[str, GGUFWeight]) -> GGUFWeight 
     return weight
 
 
-def _check_expands_to(weight: GGUFWeight, module: nn.Module, name: str, gguf_file: str) -> None:
-    if not torch.equal(weight.dequantize(), module.weight.detach().float()):
+def _check_expands_to(expanded: torch.Tensor, module: nn.Module, name: str, gguf_file: str):
+    if not torch.equal(expanded, module.weight.detach().float().cpu()):
         raise ValueError(
             f"{gguf_file}: the blocks of {name} do not expand to the loaded weights: the "
             "file is not the one this checkpoint was converted from"
@@ -89,17 +68,14 @@ def _check_expands_to(weight: GGUFWeight, module: nn.Module, name: str, gguf_fil
 
 
 def _blocks_for(name: str, module: PackedLinear, blocks: dict[str, GGUFWeight]):
-    """The GGUFWeight of the linear `name` (its parts' blocks stacked for a MergedLinear),
-    or None when the file has no blocks for it (or parts of different types)."""
+    """The GGUFWeights of the linear `name` (one per part of a MergedLinear), or None when the
+    file has no blocks for some part."""
     if isinstance(module, MergedLinear):
         parent = name.rsplit(".", 1)[0]
         parts = [blocks.get(f"{parent}.{source}.weight") for source in module.source_names]
     else:
         parts = [blocks.get(f"{name}.weight")]
-    if any(p is None for p in parts) or len({p.qtype for p in parts}) != 1:
-        return None
-    stacked = torch.cat([p.blocks for p in parts]) if len(parts) > 1 else parts[0].blocks
-    return GGUFWeight(stacked, parts[0].qtype, parts[0].in_features)
+    return None if any(p is None for p in parts) else parts
 
 
 def apply_gguf(model: nn.Module, gguf_file: str) -> nn.Module:
@@ -109,12 +85,14 @@ def apply_gguf(model: nn.Module, gguf_file: str) -> nn.Module:
     for name, module in list(model.named_modules()):
         if not isinstance(module, PackedLinear) or name.endswith("lm_head"):
             continue
-        weight = _blocks_for(name, module, blocks)
-        if weight is None:
+        parts = _blocks_for(name, module, blocks)
+        if parts is None:
             continue
-        _check_expands_to(weight, module, name, gguf_file)
+        expanded = torch.cat([part.dequantize() for part in parts])
+        _check_expands_to(expanded, module, name, gguf_file)
         new = GGUFLinear(
-            weight,
+            [(part.blocks.to(module.weight.device), part.qtype) for part in parts],
+            module.in_features,
             module.bias,
             getattr(module, "source_names", None),
             getattr(module, "output_sizes", None),
@@ -127,17 +105,15 @@ def apply_gguf(model: nn.Module, gguf_file: str) -> nn.Module:
     head = model.get_output_embeddings()
     head_weight = _head_blocks(model, blocks)
     if isinstance(head, PackedLinear) and head_weight is not None:
-        _check_expands_to(head_weight, head, "the LM head", gguf_file)
+        _check_expands_to(head_weight.dequantize(), head, "the LM head", gguf_file)
         GGUFHead.convert(head, head_weight)
     logger.info("quant_policy='gguf': %d linears compute on %s's blocks", replaced, gguf_file)
     return model
 
 
 def check_engine_support(engine_config, gguf_file: str | None) -> None:
-    """What quant_policy='gguf' cannot do yet, said at build."""
+    """What quant_policy='gguf' needs, said at build."""
     if gguf_file is None:
         raise ValueError(
             "quant_policy='gguf' needs a model loaded from a .gguf file (or the default model)"
         )
-    if engine_config.adapters:
-        raise ValueError("quant_policy='gguf' does not support LoRA adapters yet")

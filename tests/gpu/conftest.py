@@ -36,6 +36,7 @@ TRITON_LAUNCHERS = {
     "lora": ["lora_add_triton"],
     "w8a8": ["per_token_quant_triton", "rms_norm_quant_triton", "int8_gemm_triton"],
     "moe": ["fused_moe_triton"],
+    "gguf": ["gguf_gemm_triton"],
 }
 
 
