@@ -16,6 +16,7 @@ from lmengine.engine.loader import default_gguf_path, resolve_model_path
 from tests.conftest import save_tiny_llama
 from tests.engine_utils import random_prompts, run_threads
 from tests.hf_reference import hf_greedy
+from tests.kernels.test_gguf import random_k_blocks
 from tests.test_lora import ADAPTERS, peft_greedy, save_adapter
 
 Q = gguf.GGMLQuantizationType
@@ -32,6 +33,12 @@ LAYOUTS = {  # block type of each linear, and of the token embedding (tied to th
         "ffn_up": Q.Q4_0,
         "ffn_down": Q.Q8_0,
         "token_embd": Q.Q8_0,  # as SmolLM2's file has it
+    },
+    # llama.cpp's K types (256-weight blocks, random: the gguf package cannot quantize to
+    # them), mixed as in a Q4_K_M file; on a model 256 wide
+    "k-quants": {
+        **dict.fromkeys(["attn_q", "attn_k", "attn_output", "ffn_gate", "ffn_up"], Q.Q4_K),
+        **dict.fromkeys(["attn_v", "ffn_down", "token_embd"], Q.Q6_K),
     },
     # an LM head of its own (not tied to the embedding), written as the file's output tensor
     "untied-head": {**dict.fromkeys(LAYER_TENSORS, Q.Q4_1), "token_embd": Q.Q8_0, "output": Q.Q4_0},
@@ -71,10 +78,15 @@ def write_llama_gguf(path, hf_folder: str, qtypes: dict) -> str:
             sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
             writer.add_key_value(field.name, field.contents(), vtype, sub_type=sub)
 
+    rng = np.random.default_rng(0)
+
     def add(name: str, weight: torch.Tensor, qtype=None) -> None:
         data = weight.float().numpy()
         if qtype is None:
             writer.add_tensor(name, data)
+        elif qtype in (Q.Q4_K, Q.Q6_K):  # random blocks in place of the weight
+            blocks = random_k_blocks(qtype.name, *data.shape, rng, scale=0.1)
+            writer.add_tensor(name, blocks, raw_dtype=qtype)
         else:
             writer.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
 
@@ -113,15 +125,30 @@ def tiny_hf_untied(tmp_path_factory, smollm2_path) -> str:
     )
 
 
+@pytest.fixture(scope="module")
+def tiny_hf_256(tmp_path_factory, smollm2_path) -> str:
+    """256 wide (the K types' blocks are 256 weights long)."""
+    return save_tiny_llama(
+        tmp_path_factory.mktemp("tiny_gguf_256"),
+        smollm2_path,
+        seed=7,
+        tie_word_embeddings=True,
+        hidden_size=256,
+        intermediate_size=512,
+    )
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_tiny_gguf_blocks_give_the_expanded_models_greedy_tokens(
-    tmp_path, tiny_hf, tiny_hf_untied, layout
+    tmp_path, tiny_hf, tiny_hf_untied, tiny_hf_256, layout
 ):
     hf_folder = tiny_hf_untied if "output" in LAYOUTS[layout] else tiny_hf
+    hf_folder = tiny_hf_256 if layout == "k-quants" else hf_folder
     path = write_llama_gguf(tmp_path / f"tiny-{layout}.gguf", hf_folder, LAYOUTS[layout])
     expanded = resolve_model_path(path)  # transformers' float32 expansion of the file
     prompts = random_prompts([1, 6, 19, 40, 71], 49152, seed=len(layout))
     expected = hf_greedy(expanded, prompts, 12)
+    assert len({t for tokens in expected for t in tokens}) > 10  # a model that says things
     # a small pool and budget: chunked prompts and preemption, rows through the GEMV (<= 8
     # rows) and the GEMM paths
     cfg = EngineConfig(

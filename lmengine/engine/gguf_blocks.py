@@ -1,11 +1,11 @@
 """The quantized blocks of a GGUF file, under the names of the model converted from it.
 
-`read_gguf_blocks(path)` returns, for every linear weight stored as Q4_0, Q4_1 or Q8_0 (and the
-token embedding and output head), the uint8 blocks [out_features, row bytes] that
-`lmengine.kernels.gguf` computes with, keyed by the transformers parameter name the converted
-checkpoint uses (`model.layers.3.self_attn.q_proj.weight`). The blocks expand bit for bit to
-that checkpoint's float32 weights (both are `gguf.quants.dequantize`'s values); `check_blocks`
-verifies it.
+`read_gguf_blocks(path)` returns, for every linear weight stored in a supported block type
+(`lmengine.kernels.gguf.QTYPES`; and the token embedding and output head), the uint8 blocks
+[out_features, row bytes] that `lmengine.kernels.gguf` computes with, keyed by the
+transformers parameter name the converted checkpoint uses
+(`model.layers.3.self_attn.q_proj.weight`). The blocks expand bit for bit to that checkpoint's
+float32 weights (both are `gguf.quants.dequantize`'s values); `check_blocks` verifies it.
 
 llama.cpp's converter stores the rows of a Llama model's query and key projections reordered
 for its rotary layout (per head, the two halves of the rotated dimensions interleaved); the
@@ -68,9 +68,9 @@ def _unpermute_rows(blocks: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 
 def read_gguf_blocks(path: str) -> dict[str, GGUFWeight]:
-    """Every Q4_0 / Q4_1 / Q8_0 linear weight, token embedding and output head of the GGUF file
-    at `path`, by transformers parameter name. Other tensors (norms, float weights) are not
-    included."""
+    """Every linear weight, token embedding and output head that the GGUF file at `path` stores
+    in a supported block type, by transformers parameter name. Other tensors (norms, float
+    weights) are not included."""
     from gguf import GGUFReader
 
     try:

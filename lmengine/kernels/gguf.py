@@ -1,9 +1,10 @@
-"""Linear layers on GGUF's quantized blocks (Q4_0, Q4_1, Q8_0), weight-only.
+"""Linear layers on GGUF's quantized blocks (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K), weight-only.
 
-A weight stays as GGUF stores it: uint8 [N, K / 32 * bytes per block], each row a run of
-blocks of 32 weights (layouts in kernels/csrc/gguf_ops.cpp). Activations stay float32 and every
-weight is unpacked to exactly the float32 value `gguf.quants.dequantize` gives it, so a model
-computes with the weights of its float32 expansion.
+A weight stays as GGUF stores it: uint8 [N, K / weights per block * bytes per block], each row
+a run of blocks of 32 weights (256 in the K types; layouts in kernels/csrc/gguf_ops.cpp).
+Activations stay float32 and every weight is unpacked to exactly the float32 value
+`gguf.quants.dequantize` gives it, so a model computes with the weights of its float32
+expansion.
 
 - `gguf_linear(x, blocks, qtype, k, bias)`: up to 8 rows (decode) through the compiled
   `gguf_gemv` (`gemv_kernel`), which unpacks blocks in registers and reads 3.8-6x fewer bytes
@@ -22,11 +23,13 @@ import torch.nn.functional as F
 
 from lmengine.kernels import cpu_ext
 
-BLOCK = 32  # weights per block
-# ggml's type ids (gguf.GGMLQuantizationType) -> bytes per block
-BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
-QTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
+BLOCK = 32  # weights per block of the 32-weight types (a group of the 256-weight K types)
+# name -> ggml's type id (gguf.GGMLQuantizationType), weights per block, bytes per block
+QTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
+BLOCK_WEIGHTS = {"Q4_0": 32, "Q4_1": 32, "Q8_0": 32, "Q4_K": 256, "Q6_K": 256}
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q4_K": 144, "Q6_K": 210}
 _NAMES = {v: k for k, v in QTYPES.items()}
+TRITON_QTYPES = (2, 3, 8)  # the Triton GEMM's types (CUDA expands the K types per call)
 MAX_GEMV_ROWS = 8
 # Up to this many rows `gguf_gemm` (panels of weight rows unpacked into the cache, register
 # tiles of dot products) beats expanding each weight for MKL's GEMM; measured on SmolLM2's
@@ -43,11 +46,12 @@ def check_qtype(qtype: int, k: int, row_bytes: int | None = None) -> str:
     if name is None:
         supported = ", ".join(f"{n} ({i})" for n, i in QTYPES.items())
         raise ValueError(f"GGUF quantization type {qtype} is not supported: {supported}")
-    if k <= 0 or k % BLOCK:
-        raise ValueError(f"GGUF {name}: rows must hold a multiple of {BLOCK} weights, got {k}")
-    if row_bytes is not None and row_bytes != k // BLOCK * BLOCK_BYTES[name]:
+    weights, nbytes = BLOCK_WEIGHTS[name], BLOCK_BYTES[name]
+    if k <= 0 or k % weights:
+        raise ValueError(f"GGUF {name}: rows must hold a multiple of {weights} weights, got {k}")
+    if row_bytes is not None and row_bytes != k // weights * nbytes:
         raise ValueError(
-            f"GGUF {name}: a row of {k} weights takes {k // BLOCK * BLOCK_BYTES[name]} bytes, "
+            f"GGUF {name}: a row of {k} weights takes {k // weights * nbytes} bytes, "
             f"got {row_bytes}"
         )
     return name
@@ -57,8 +61,12 @@ def dequantize_ref(blocks: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
     """uint8 blocks [N, row bytes] holding rows of `k` weights -> float32 [N, k]."""
     name = check_qtype(qtype, k, blocks.shape[-1])
     n = blocks.shape[0]
-    b = blocks.reshape(n, k // BLOCK, BLOCK_BYTES[name])
-    d = b[..., 0:2].contiguous().view(torch.float16).float()  # [n, blocks, 1]
+    b = blocks.reshape(n, k // BLOCK_WEIGHTS[name], BLOCK_BYTES[name])
+    if name == "Q4_K":
+        return _dequantize_q4_k(b).reshape(n, k)
+    if name == "Q6_K":
+        return _dequantize_q6_k(b).reshape(n, k)
+    d = _half(b[..., 0:2])  # [n, blocks, 1]
     if name == "Q8_0":
         q = b[..., 2:].contiguous().view(torch.int8).float()
         w = q * d
@@ -68,8 +76,43 @@ def dequantize_ref(blocks: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
         if name == "Q4_0":
             w = (q - 8.0) * d
         else:
-            w = q * d + b[..., 2:4].contiguous().view(torch.float16).float()
+            w = q * d + _half(b[..., 2:4])
     return w.reshape(n, k)
+
+
+def _half(b: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., 2] (a little-endian float16) -> float32 [..., 1]."""
+    return b.contiguous().view(torch.float16).float()
+
+
+def _nibbles(q: torch.Tensor, shifts: list[int], mask: int) -> torch.Tensor:
+    """q uint8 [..., 1, L] -> [..., len(shifts), L]: (q >> shift) & mask for each shift."""
+    return (q >> torch.tensor(shifts, dtype=torch.uint8).view(-1, 1)) & mask
+
+
+def _dequantize_q4_k(b: torch.Tensor) -> torch.Tensor:
+    """Q4_K blocks uint8 [n, blocks, 144] -> float32 [n, blocks, 256]: (d * sc) * q - dmin * m
+    per group of 32 (layout in kernels/csrc/gguf_ops.cpp)."""
+    n, nb = b.shape[:2]
+    d, dmin = _half(b[..., 0:2]), _half(b[..., 2:4])  # [n, nb, 1]
+    s = b[..., 4:16].reshape(n, nb, 3, 4)
+    low, mid, top = s[..., 0, :], s[..., 1, :], s[..., 2, :]  # bytes 0-3, 4-7, 8-11
+    sc = torch.cat([low & 63, (top & 15) | ((low >> 2) & 48)], dim=-1).float()  # [n, nb, 8]
+    m = torch.cat([mid & 63, (top >> 4) | ((mid >> 2) & 48)], dim=-1).float()
+    q = _nibbles(b[..., 16:].reshape(n, nb, 4, 1, 32), [0, 4], 15).reshape(n, nb, 8, 32)
+    return ((d * sc).unsqueeze(-1) * q.float() - (dmin * m).unsqueeze(-1)).reshape(n, nb, 256)
+
+
+def _dequantize_q6_k(b: torch.Tensor) -> torch.Tensor:
+    """Q6_K blocks uint8 [n, blocks, 210] -> float32 [n, blocks, 256]: (d * sc) * (q - 32) per
+    16 weights, q's low 4 bits and high 2 bits stored apart."""
+    n, nb = b.shape[:2]
+    low = _nibbles(b[..., :128].reshape(n, nb, 2, 1, 64), [0, 4], 15).reshape(n, nb, 8, 32)
+    high = _nibbles(b[..., 128:192].reshape(n, nb, 2, 1, 32), [0, 2, 4, 6], 3)
+    q = (low | (high.reshape(n, nb, 8, 32) << 4)).float() - 32.0
+    sc = b[..., 192:208].contiguous().view(torch.int8).float()  # [n, nb, 16]
+    d = _half(b[..., 208:210])
+    return ((d * sc).unsqueeze(-1) * q.reshape(n, nb, 16, 16)).reshape(n, nb, 256)
 
 
 def dequantize(blocks: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
@@ -96,7 +139,7 @@ def gguf_linear(
         check_qtype(qtype, k, blocks.shape[-1])
         if x.shape[-1] != k:
             raise ValueError(f"gguf_linear: x has {x.shape[-1]} features, the weight {k}")
-    if x.is_cuda:
+    if x.is_cuda and qtype in TRITON_QTYPES:
         from lmengine.kernels.triton.gguf import gguf_gemm_triton
 
         # float32 activations and sums whatever the model's dtype

@@ -1,8 +1,8 @@
 """`quant_policy="gguf"`: a model loaded from a GGUF file computes with the file's own blocks.
 
 After patching, every decoder linear (merged ones too, whatever mix of types their parts have)
-whose weights the file stores as Q4_0, Q4_1 or Q8_0 becomes a `GGUFLinear` (models/layers.py)
-holding those blocks instead of their float32 expansion.
+whose weights the file stores as Q4_0, Q4_1, Q8_0, Q4_K or Q6_K becomes a `GGUFLinear`
+(models/layers.py) holding those blocks instead of their float32 expansion.
 Before it replaces a linear, the blocks' expansion is compared with the linear's float weight
 bit for bit, so a file that does not match the checkpoint is an error, never a silently
 different model. Embeddings and norms stay in floating point. So does the LM head, which keeps
@@ -101,7 +101,7 @@ def apply_gguf(model: nn.Module, gguf_file: str) -> nn.Module:
         setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
         replaced += 1
     if replaced == 0:
-        raise ValueError(f"{gguf_file}: no linear of the model is stored as Q4_0, Q4_1 or Q8_0")
+        raise ValueError(f"{gguf_file}: no linear of the model is stored in a supported block type")
     head = model.get_output_embeddings()
     head_weight = _head_blocks(model, blocks)
     if isinstance(head, PackedLinear) and head_weight is not None:

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lmengine.kernels.gguf import QTYPES, gguf_linear
+from lmengine.kernels.gguf import QTYPES, TRITON_QTYPES, gguf_linear
 from tests.kernels.test_gguf import quantized
 
-TYPES = list(QTYPES)
+TYPES = [name for name, qtype in QTYPES.items() if qtype in TRITON_QTYPES]
 
 
 @pytest.mark.parametrize("name", TYPES)
@@ -44,8 +44,11 @@ def test_triton_gguf_gemm_rejects_bad_inputs(triton_device):
         gguf_gemm_triton(torch.randn(2, 64, dtype=torch.float16).to(triton_device), blocks, 3)
     with pytest.raises(ValueError, match="a row of 64 weights takes 40 bytes, got 20"):
         gguf_gemm_triton(torch.randn(2, 64).to(triton_device), blocks[:, :20], 3)
-    with pytest.raises(ValueError, match="type 12 is not supported"):
-        gguf_gemm_triton(torch.randn(2, 64).to(triton_device), blocks, 12)
+    with pytest.raises(ValueError, match="type 13 is not supported"):
+        gguf_gemm_triton(torch.randn(2, 64).to(triton_device), blocks, 13)
+    q4_k, _ = quantized("Q4_K", 8, 256)
+    with pytest.raises(ValueError, match="Q4_K blocks are not supported"):
+        gguf_gemm_triton(torch.randn(2, 256).to(triton_device), q4_k.to(triton_device), 12)
 
 
 @pytest.mark.gpu

@@ -1,18 +1,25 @@
-// Linear layers on GGUF's quantized blocks (Q4_0, Q4_1, Q8_0), weight-only: activations and
-// accumulation stay float32, and each weight is unpacked in registers to exactly the float32
-// value the `gguf` package's dequantization gives it (d * q, d * (q - 8), d * q + m: the
-// products are exact in float32, a half scale times a 4- or 8-bit integer, so a fused
-// multiply-add rounds them as the separate operations do).
+// Linear layers on GGUF's quantized blocks (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K), weight-only:
+// activations and accumulation stay float32, and each weight is unpacked in registers to
+// exactly the float32 value the `gguf` package's dequantization gives it (d * q, d * (q - 8),
+// d * q + m, (d * sc) * q - dmin * m, (d * sc) * q: each a product that is exact in float32,
+// a half scale times small integers, then at most one rounding, as the package's operations).
 //
 // A block covers 32 consecutive weights of one output row (ggml's layouts):
 //   Q4_0: half d, 16 bytes            w[j] = d * (q[j] - 8)
 //   Q4_1: half d, half m, 16 bytes    w[j] = d * q[j] + m
 //   Q8_0: half d, 32 signed bytes     w[j] = d * q[j]
 // In the 4-bit types byte j holds q[j] in its low nibble and q[j + 16] in its high one.
+// The K types cover 256 weights, in 8 groups of 32:
+//   Q4_K (144 bytes): half d, half dmin, 12 bytes of 6-bit scales sc[8] and minima m[8], 128
+//     bytes of 4-bit quants (bytes 32c..32c+31 hold group 2c in their low nibbles, 2c+1 in
+//     their high ones); w = (d * sc[g]) * q - dmin * m[g]
+//   Q6_K (210 bytes): 128 bytes of low 4 bits, 64 bytes of high 2 bits, 16 signed scales (one
+//     per 16 weights), half d; w = (d * sc) * (q - 32)
 //
 // `gguf_gemv` serves a few rows (decode): it streams each weight row once, as the float32
-// GEMV does, reading 5-6x fewer bytes. `gguf_dequantize` expands a block matrix (or a range of
-// its rows) to float32: the reference for the tests, and the way to larger GEMMs.
+// GEMV does, reading 3.8-7x fewer bytes. `gguf_gemm` serves decode batches: panels of weight
+// rows unpacked once into the cache, register tiles of dot products. `gguf_dequantize` expands
+// a block matrix to float32: the reference for the tests, and the way to larger GEMMs.
 
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
@@ -21,6 +28,8 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
+#include <utility>
 #include <vector>
 #ifdef __F16C__
 #include <immintrin.h>
@@ -33,19 +42,57 @@
 
 namespace {
 
-typedef uint8_t v16u8 __attribute__((vector_size(16), aligned(1)));
-typedef int8_t v16i8 __attribute__((vector_size(16), aligned(1)));
 
-// NOTE: bytes -> int32 -> float: GCC turns a direct byte-to-float conversion into one scalar
-// conversion per element (3x slower than the float32 GEMV); through int32 it is two vector
-// instructions (a widening move, then an int-to-float conversion)
-template <typename V>
-inline v16f to_float(V v) {
-  return __builtin_convertvector(__builtin_convertvector(v, v16i32), v16f);
+
+// 16 bytes at `p` widened to int32, sign- or zero-extended.
+// NOTE: intrinsics: GCC widens a vector of signed bytes (and unsigned ones in some contexts)
+// one element at a time, 5-16x slower per weight than these instructions
+template <bool kSigned>
+inline v16i32 widen16(const uint8_t* p) {
+#if defined(__AVX512F__)
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return (v16i32)(kSigned ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b));
+#elif defined(__AVX2__)
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i c = _mm_unpackhi_epi64(b, b);
+  const __m256i lo = kSigned ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b);
+  const __m256i hi = kSigned ? _mm256_cvtepi8_epi32(c) : _mm256_cvtepu8_epi32(c);
+  v16i32 r;
+  std::memcpy(&r, &lo, 32);
+  std::memcpy(reinterpret_cast<char*>(&r) + 32, &hi, 32);
+  return r;
+#else
+  v16i32 r;
+  for (int j = 0; j < 16; ++j) r[j] = kSigned ? static_cast<int8_t>(p[j]) : p[j];
+  return r;
+#endif
 }
 
-constexpr int64_t kBlock = 32;  // weights per block
-constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8;  // ggml's type ids (GGMLQuantizationType)
+inline v16f to_float(v16i32 v) { return __builtin_convertvector(v, v16f); }
+
+// `v` in all 16 lanes.
+// NOTE: GCC builds a vector from a scalar operand (v16f * float) through 16 stores to the stack
+// where a v16f is two AVX registers, and then keeps the loop's accumulators in memory too
+// (8x slower per weight on AVX2)
+inline v16f splat16(float v) {
+#if defined(__AVX512F__)
+  return (v16f)_mm512_set1_ps(v);
+#elif defined(__AVX2__)
+  const __m256 h = _mm256_set1_ps(v);
+  v16f r;
+  std::memcpy(&r, &h, 32);
+  std::memcpy(reinterpret_cast<char*>(&r) + 32, &h, 32);
+  return r;
+#else
+  v16f r;
+  for (int j = 0; j < 16; ++j) r[j] = v;
+  return r;
+#endif
+}
+
+constexpr int64_t kBlock = 32;  // weights per group (a whole block in the 32-weight types)
+// ggml's type ids (GGMLQuantizationType)
+constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14;
 
 inline float half_to_float(const uint8_t* p) {
   uint16_t bits;
@@ -61,55 +108,112 @@ inline void store16(float* p, v16f v) { *reinterpret_cast<v16f*>(p) = v; }
 
 template <int64_t kType>
 constexpr int64_t block_bytes() {
-  return kType == kQ4_0 ? 18 : kType == kQ4_1 ? 20 : 34;
+  return kType == kQ4_0   ? 18
+         : kType == kQ4_1 ? 20
+         : kType == kQ8_0 ? 34
+         : kType == kQ4_K ? 144
+                          : 210;
 }
 
-// The 32 weights of the block at `p`, as two vectors: weights 0-15 and 16-31.
 template <int64_t kType>
-inline void unpack(const uint8_t* p, v16f& lo, v16f& hi) {
-  const float d = half_to_float(p);
-#ifdef __AVX512F__
-  // NOTE: intrinsics here: GCC widens a vector of signed bytes one element at a time (Q8_0 ran
-  // 5x slower per weight than Q4_1). A 4-bit weight is a lookup in a table of its 16 values,
-  // d * i (+ m) or d * (i - 8), made by one multiply-add per block: two permutes instead of
-  // two int-to-float conversions and two multiply-adds. The table entries are the values the
-  // separate operations give (d * i is exact).
-  if constexpr (kType == kQ8_0) {
-    const __m512 dv = _mm512_set1_ps(d);
-    lo = (v16f)_mm512_mul_ps(
-        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(p + 2)))), dv);
-    hi = (v16f)_mm512_mul_ps(
-        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(p + 18)))), dv);
+constexpr int64_t block_weights() {
+  return kType == kQ4_K || kType == kQ6_K ? 256 : 32;
+}
+
+// The 6-bit scale and minimum of group g (0-7) of a Q4_K block, from its 12 packed bytes s:
+// groups 0-3 in the low 6 bits of s[g] and s[g + 4]; groups 4-7 in the nibbles of s[g + 4],
+// their top 2 bits in the top bits of s[g - 4] and s[g].
+inline void q4_k_scale_min(const uint8_t* s, int g, int& sc, int& m) {
+  if (g < 4) {
+    sc = s[g] & 63;
+    m = s[g + 4] & 63;
   } else {
-    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m512 dv = _mm512_set1_ps(d);
-    const __m512 table =
-        kType == kQ4_1 ? _mm512_fmadd_ps(iota, dv, _mm512_set1_ps(half_to_float(p + 2)))
-                       : _mm512_mul_ps(_mm512_sub_ps(iota, _mm512_set1_ps(8.f)), dv);
-    const __m512i q = _mm512_cvtepu8_epi32(
-        _mm_loadu_si128((const __m128i*)(p + (kType == kQ4_1 ? 4 : 2))));
-    lo = (v16f)_mm512_permutexvar_ps(q, table);  // the index's low 4 bits: the low nibble
-    hi = (v16f)_mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table);
+    sc = (s[g + 4] & 15) | ((s[g - 4] >> 6) << 4);
+    m = (s[g + 4] >> 4) | ((s[g] >> 6) << 4);
   }
+}
+
+// Group g of a Q6_K block: 16 weights (half 0 or 1) as float q - 32 (exact). Group g = 4h + gg
+// takes its low 4 bits from nibble gg / 2 of bytes 64h + 32 (gg % 2) + j, its high 2 bits
+// from bits 2gg of bytes 128 + 32h + j.
+inline v16f q6_k_quants(const uint8_t* p, int g, int half) {
+  const int h = g / 4, gg = g % 4;
+  const uint8_t* low = p + 64 * h + 32 * (gg & 1) + 16 * half;
+  const uint8_t* high = p + 128 + 32 * h + 16 * half;
+  const v16i32 l = widen16<false>(low), hb = widen16<false>(high);
+  return to_float((((l >> (4 * (gg >> 1))) & 15) | (((hb >> (2 * gg)) & 3) << 4)) - 32);
+}
+
+#ifdef __AVX512F__
+// 16 4-bit quants, the nibbles at `shift` (0 or 4) of the 16 bytes at `qs`, looked up in
+// `table`, their 16 values: one permute per 16 weights where a conversion and a multiply-add
+// would take two.
+inline v16f lookup16(const uint8_t* qs, int shift, __m512 table) {
+  const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
+  return (v16f)_mm512_permutexvar_ps(_mm512_srli_epi32(q, shift), table);  // low 4 bits index
+}
+
+// The table of a block's 16 4-bit values: scale * i + offset (i = 0-15) by one multiply-add,
+// each the value the separate operations give (scale * i is exact).
+inline __m512 table16(float scale, float offset) {
+  const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  return _mm512_fmadd_ps(iota, _mm512_set1_ps(scale), _mm512_set1_ps(offset));
+}
+#endif
+
+// Weights 32g to 32g + 31 of the block at `p` (g = 0 in the 32-weight types), as two vectors:
+// weights 0-15 and 16-31 of the group.
+template <int64_t kType>
+inline void unpack(const uint8_t* p, int g, v16f& lo, v16f& hi) {
+  if constexpr (kType == kQ6_K) {
+    const float d = half_to_float(p + 208);
+    const int8_t* sc = reinterpret_cast<const int8_t*>(p + 192) + 2 * g;
+    lo = q6_k_quants(p, g, 0) * splat16(d * sc[0]);  // d * sc: exact
+    hi = q6_k_quants(p, g, 1) * splat16(d * sc[1]);
+    return;
+  }
+  if constexpr (kType == kQ4_K) {
+    int sc, m;
+    q4_k_scale_min(p + 4, g, sc, m);
+    const float dsc = half_to_float(p) * sc, dm = half_to_float(p + 2) * m;  // exact
+    const uint8_t* qs = p + 16 + 32 * (g / 2);
+    const int shift = 4 * (g % 2);
+#ifdef __AVX512F__
+    const __m512 table = table16(dsc, -dm);  // fma(i, dsc, -dm): one rounding, as i * dsc - dm
+    lo = lookup16(qs, shift, table);
+    hi = lookup16(qs + 16, shift, table);
 #else
+    const v16f dscv = splat16(dsc), dmv = splat16(dm);
+    lo = to_float((widen16<false>(qs) >> shift) & 15) * dscv - dmv;
+    hi = to_float((widen16<false>(qs + 16) >> shift) & 15) * dscv - dmv;
+#endif
+    return;
+  }
+  const float d = half_to_float(p);
   if constexpr (kType == kQ8_0) {
-    const v16i8 a = *reinterpret_cast<const v16i8*>(p + 2);
-    const v16i8 b = *reinterpret_cast<const v16i8*>(p + 18);
-    lo = to_float(a) * d;
-    hi = to_float(b) * d;
+    lo = to_float(widen16<true>(p + 2)) * splat16(d);
+    hi = to_float(widen16<true>(p + 18)) * splat16(d);
+    return;
+  }
+  const uint8_t* qs = p + (kType == kQ4_1 ? 4 : 2);
+#ifdef __AVX512F__
+  // d * i + m, or d * i - 8d = d * (i - 8) (both products exact, one rounding in each)
+  const __m512 table = table16(d, kType == kQ4_1 ? half_to_float(p + 2) : -8.f * d);
+  lo = lookup16(qs, 0, table);
+  hi = lookup16(qs, 4, table);
+#else
+  const v16i32 q = widen16<false>(qs);
+  lo = to_float(q & 0x0F);
+  hi = to_float(q >> 4);
+  const v16f dv = splat16(d);
+  if constexpr (kType == kQ4_0) {
+    const v16f eight = splat16(8.f);
+    lo = (lo - eight) * dv;
+    hi = (hi - eight) * dv;
   } else {
-    const uint8_t* qs = p + (kType == kQ4_1 ? 4 : 2);
-    const v16u8 q = *reinterpret_cast<const v16u8*>(qs);
-    lo = to_float(q & 0x0F);
-    hi = to_float(q >> 4);
-    if constexpr (kType == kQ4_0) {
-      lo = (lo - 8.f) * d;
-      hi = (hi - 8.f) * d;
-    } else {
-      const float m = half_to_float(p + 2);
-      lo = lo * d + m;
-      hi = hi * d + m;
-    }
+    const v16f mv = splat16(half_to_float(p + 2));
+    lo = lo * dv + mv;
+    hi = hi * dv + mv;
   }
 #endif
 }
@@ -120,19 +224,21 @@ constexpr int64_t kPrefetchBytes = 1024;
 template <int64_t kType, int kM>
 void gemv_rows(const float* x, const uint8_t* w, const float* bias, float* y, int64_t k,
                int64_t n, int64_t r0, int64_t r1) {
-  constexpr int64_t kBytes = block_bytes<kType>();
-  const int64_t blocks = k / kBlock, row_bytes = blocks * kBytes;
+  constexpr int64_t kBytes = block_bytes<kType>(), kGroups = block_weights<kType>() / kBlock;
+  const int64_t blocks = k / block_weights<kType>(), row_bytes = blocks * kBytes;
   for (int64_t r = r0; r < r1; ++r) {
     const uint8_t* wr = w + r * row_bytes;
     v16f acc[kM][2] = {};
     for (int64_t b = 0; b < blocks; ++b) {
       __builtin_prefetch(wr + b * kBytes + kPrefetchBytes);
-      v16f lo, hi;
-      unpack<kType>(wr + b * kBytes, lo, hi);
-      for (int i = 0; i < kM; ++i) {
-        const float* xb = x + i * k + b * kBlock;
-        acc[i][0] += load16(xb) * lo;
-        acc[i][1] += load16(xb + 16) * hi;
+      for (int g = 0; g < kGroups; ++g) {
+        v16f lo, hi;
+        unpack<kType>(wr + b * kBytes, g, lo, hi);
+        for (int i = 0; i < kM; ++i) {
+          const float* xb = x + i * k + (b * kGroups + g) * kBlock;
+          acc[i][0] += load16(xb) * lo;
+          acc[i][1] += load16(xb + 16) * hi;
+        }
       }
     }
     for (int i = 0; i < kM; ++i) {
@@ -146,14 +252,17 @@ void gemv_rows(const float* x, const uint8_t* w, const float* bias, float* y, in
 
 template <int64_t kType>
 void dequantize_rows(const uint8_t* w, float* out, int64_t k, int64_t r0, int64_t r1) {
-  constexpr int64_t kBytes = block_bytes<kType>();
-  const int64_t blocks = k / kBlock;
+  constexpr int64_t kBytes = block_bytes<kType>(), kGroups = block_weights<kType>() / kBlock;
+  const int64_t blocks = k / block_weights<kType>();
   for (int64_t r = r0; r < r1; ++r) {
     for (int64_t b = 0; b < blocks; ++b) {
-      v16f lo, hi;
-      unpack<kType>(w + (r * blocks + b) * kBytes, lo, hi);
-      store16(out + r * k + b * kBlock, lo);
-      store16(out + r * k + b * kBlock + 16, hi);
+      for (int g = 0; g < kGroups; ++g) {
+        v16f lo, hi;
+        unpack<kType>(w + (r * blocks + b) * kBytes, g, lo, hi);
+        float* o = out + r * k + (b * kGroups + g) * kBlock;
+        store16(o, lo);
+        store16(o + 16, hi);
+      }
     }
   }
 }
@@ -221,7 +330,8 @@ void gemm_rows(const float* x, const uint8_t* w, const float* bias, float* y, in
                                    dot_tile<4>, dot_tile<5>, dot_tile<6>};
   for (int64_t p0 = r0; p0 < r1; p0 += kPanelRows) {
     const int64_t rows = std::min(kPanelRows, r1 - p0);
-    dequantize_rows<kType>(w + p0 * (k / kBlock) * block_bytes<kType>(), panel, k, 0, rows);
+    const int64_t row_bytes = k / block_weights<kType>() * block_bytes<kType>();
+    dequantize_rows<kType>(w + p0 * row_bytes, panel, k, 0, rows);
     // a partial tile's missing weight rows: zeros, their outputs not stored
     const int64_t padded = (rows + kTileCols - 1) / kTileCols * kTileCols;
     std::fill(panel + rows * k, panel + padded * k, 0.f);
@@ -236,23 +346,33 @@ void gemm_rows(const float* x, const uint8_t* w, const float* bias, float* y, in
   }
 }
 
-int64_t bytes_per_block(int64_t qtype) {
+// f(std::integral_constant<int64_t, type>{}) for the block type `qtype`: one instance of a
+// generic lambda per supported type
+template <typename F>
+decltype(auto) dispatch(int64_t qtype, F&& f) {
   switch (qtype) {
-    case kQ4_0: return block_bytes<kQ4_0>();
-    case kQ4_1: return block_bytes<kQ4_1>();
-    case kQ8_0: return block_bytes<kQ8_0>();
+    case kQ4_0: return f(std::integral_constant<int64_t, kQ4_0>{});
+    case kQ4_1: return f(std::integral_constant<int64_t, kQ4_1>{});
+    case kQ8_0: return f(std::integral_constant<int64_t, kQ8_0>{});
+    case kQ4_K: return f(std::integral_constant<int64_t, kQ4_K>{});
+    case kQ6_K: return f(std::integral_constant<int64_t, kQ6_K>{});
   }
   TORCH_CHECK(false, "GGUF blocks of type ", qtype, " are not supported: Q4_0 (2), Q4_1 (3), ",
-              "Q8_0 (8)");
+              "Q8_0 (8), Q4_K (12), Q6_K (14)");
 }
 
-// w: uint8 [N, K / 32 * bytes per block]; returns K.
+// w: uint8 [N, K / weights per block * bytes per block]; returns K.
 int64_t check_blocks(const at::Tensor& w, int64_t qtype, int64_t k) {
   TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kByte && w.is_contiguous() &&
                   w.dim() == 2,
               "GGUF blocks must be a contiguous uint8 CPU tensor [N, row bytes]");
-  TORCH_CHECK(k > 0 && k % kBlock == 0, "GGUF rows must hold a multiple of 32 weights, got ", k);
-  const int64_t row_bytes = k / kBlock * bytes_per_block(qtype);
+  const auto [weights, bytes] = dispatch(qtype, [](auto t) {
+    constexpr int64_t T = decltype(t)::value;
+    return std::pair<int64_t, int64_t>(block_weights<T>(), block_bytes<T>());
+  });
+  TORCH_CHECK(k > 0 && k % weights == 0, "GGUF rows of type ", qtype, " must hold a multiple of ",
+              weights, " weights, got ", k);
+  const int64_t row_bytes = k / weights * bytes;
   TORCH_CHECK(w.size(1) == row_bytes, "GGUF blocks: rows of ", k, " weights take ", row_bytes,
               " bytes in type ", qtype, ", got ", w.size(1));
   return k;
@@ -300,14 +420,13 @@ at::Tensor gguf_gemv(const at::Tensor& x, const at::Tensor& w, int64_t qtype,
   float* yp = y.data_ptr<float>();
   using Kernel = void (*)(const float*, const uint8_t*, const float*, float*, int64_t, int64_t,
                          int64_t, int64_t);
-#define LMENGINE_GGUF_KERNELS(T)                                                            \
-  {gemv_rows<T, 1>, gemv_rows<T, 2>, gemv_rows<T, 3>, gemv_rows<T, 4>, gemv_rows<T, 5>,    \
-   gemv_rows<T, 6>, gemv_rows<T, 7>, gemv_rows<T, 8>}
-  static constexpr Kernel q4_0[] = LMENGINE_GGUF_KERNELS(kQ4_0);
-  static constexpr Kernel q4_1[] = LMENGINE_GGUF_KERNELS(kQ4_1);
-  static constexpr Kernel q8_0[] = LMENGINE_GGUF_KERNELS(kQ8_0);
-#undef LMENGINE_GGUF_KERNELS
-  const Kernel* kernels = qtype == kQ4_0 ? q4_0 : qtype == kQ4_1 ? q4_1 : q8_0;
+  const Kernel* kernels = dispatch(qtype, [](auto t) -> const Kernel* {
+    constexpr int64_t T = decltype(t)::value;
+    static constexpr Kernel rows[] = {gemv_rows<T, 1>, gemv_rows<T, 2>, gemv_rows<T, 3>,
+                                      gemv_rows<T, 4>, gemv_rows<T, 5>, gemv_rows<T, 6>,
+                                      gemv_rows<T, 7>, gemv_rows<T, 8>};
+    return rows;
+  });
   // at least ~16 KiB of blocks per task
   const int64_t grain = std::max<int64_t>(1, 16384 / w.size(1));
   at::parallel_for(0, n, grain, [&](int64_t r0, int64_t r1) {
@@ -332,9 +451,9 @@ at::Tensor gguf_gemm(const at::Tensor& x, const at::Tensor& w, int64_t qtype,
   at::parallel_for(0, (n + kPanelRows - 1) / kPanelRows, 1, [&](int64_t p0, int64_t p1) {
     std::vector<float> panel(kPanelRows * k);
     const int64_t r0 = p0 * kPanelRows, r1 = std::min(n, p1 * kPanelRows);
-    if (qtype == kQ4_0) gemm_rows<kQ4_0>(xp, wp, bp, yp, m, k, n, r0, r1, panel.data());
-    else if (qtype == kQ4_1) gemm_rows<kQ4_1>(xp, wp, bp, yp, m, k, n, r0, r1, panel.data());
-    else gemm_rows<kQ8_0>(xp, wp, bp, yp, m, k, n, r0, r1, panel.data());
+    dispatch(qtype, [&](auto t) {
+      gemm_rows<decltype(t)::value>(xp, wp, bp, yp, m, k, n, r0, r1, panel.data());
+    });
   });
   return y;
 }
@@ -348,22 +467,19 @@ at::Tensor gguf_dequantize(const at::Tensor& w, int64_t qtype, int64_t k) {
   float* op = out.data_ptr<float>();
   const int64_t grain = std::max<int64_t>(1, 16384 / w.size(1));
   at::parallel_for(0, n, grain, [&](int64_t r0, int64_t r1) {
-    if (qtype == kQ4_0) dequantize_rows<kQ4_0>(wp, op, k, r0, r1);
-    else if (qtype == kQ4_1) dequantize_rows<kQ4_1>(wp, op, k, r0, r1);
-    else dequantize_rows<kQ8_0>(wp, op, k, r0, r1);
+    dispatch(qtype, [&](auto t) { dequantize_rows<decltype(t)::value>(wp, op, k, r0, r1); });
   });
   return out;
 }
 
 void register_gguf_ops(py::module& m) {
   m.def("gguf_gemm", &gguf_gemm, release_gil(),
-        "float32 x [M, K] @ w^T (+ bias), w as GGUF blocks (Q4_0, Q4_1, Q8_0) [N, row bytes]",
+        "float32 x [M, K] @ w^T (+ bias), w as GGUF blocks [N, row bytes]",
         py::arg("x"), py::arg("w"), py::arg("qtype"), py::arg("bias") = py::none());
   m.def("gguf_gemv", &gguf_gemv, release_gil(),
-        "float32 x [M<=8, K] @ w^T (+ bias), w as GGUF blocks (Q4_0, Q4_1, Q8_0) [N, row bytes]",
+        "float32 x [M<=8, K] @ w^T (+ bias), w as GGUF blocks [N, row bytes]",
         py::arg("x"), py::arg("w"), py::arg("qtype"), py::arg("bias") = py::none());
   m.def("gguf_dequantize", &gguf_dequantize, release_gil(),
-        "GGUF blocks (Q4_0, Q4_1, Q8_0) [N, row bytes] holding rows of K weights -> float32 "
-        "[N, K]",
+        "GGUF blocks [N, row bytes] holding rows of K weights -> float32 [N, K]",
         py::arg("w"), py::arg("qtype"), py::arg("k"));
 }

@@ -1,5 +1,5 @@
-"""Triton GEMM on GGUF blocks (Q4_0, Q4_1, Q8_0), weight-only: numerics as
-`lmengine.kernels.gguf`.
+"""Triton GEMM on GGUF blocks (Q4_0, Q4_1, Q8_0; not yet the K types), weight-only: numerics
+as `lmengine.kernels.gguf`.
 
 A program computes a [BLOCK_M, BLOCK_N] tile of y = x @ W^T (+ bias) and walks K one GGUF block
 (32 weights) at a time: it loads the block of each of its BLOCK_N weight rows (the half scale,
@@ -15,14 +15,14 @@ import torch
 import triton
 import triton.language as tl
 
-from lmengine.kernels.gguf import BLOCK_BYTES, check_qtype
+from lmengine.kernels.gguf import BLOCK_BYTES, TRITON_QTYPES, check_qtype
 
 
 @triton.jit
-def _half(ptr):
-    """The float16 at byte pointer(s) `ptr` (little-endian), as float32."""
-    lo = tl.load(ptr).to(tl.uint16)
-    hi = tl.load(ptr + 1).to(tl.uint16)
+def _half(ptr, mask):
+    """The float16 at byte pointer(s) `ptr` (little-endian), as float32 (0 where masked)."""
+    lo = tl.load(ptr, mask=mask, other=0).to(tl.uint16)
+    hi = tl.load(ptr + 1, mask=mask, other=0).to(tl.uint16)
     return (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
 
 
@@ -60,7 +60,7 @@ def _gguf_gemm_kernel(
             other=0.0,
         )  # [BLOCK_M, 32]
         block = rows + b * BLOCK_BYTES  # [BLOCK_N]
-        d = _half(block)  # [BLOCK_N]
+        d = _half(block, mask_n)  # [BLOCK_N]
         if QTYPE == 8:  # Q8_0 (ggml's type ids: Q4_0 2, Q4_1 3, Q8_0 8): 32 signed bytes
             q = tl.load(block[:, None] + 2 + offs_k[None, :], mask=mask_n[:, None], other=0)
             w = q.to(tl.int8, bitcast=True).to(tl.float32) * d[:, None]
@@ -71,7 +71,7 @@ def _gguf_gemm_kernel(
             ).to(tl.int32)  # [BLOCK_N, 32]
             q = ((byte >> ((offs_k // 16) * 4)[None, :]) & 15).to(tl.float32)
             if QTYPE == 3:  # Q4_1: d * q + m
-                w = q * d[:, None] + _half(block + 2)[:, None]
+                w = q * d[:, None] + _half(block + 2, mask_n)[:, None]
             else:  # Q4_0: d * (q - 8)
                 w = (q - 8.0) * d[:, None]
         acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
@@ -93,6 +93,8 @@ def gguf_gemm_triton(
         raise ValueError(f"gguf_gemm_triton: x must be float32 [M, K], got {x.dtype} {x.shape}")
     m, k = x.shape
     name = check_qtype(qtype, k, blocks.shape[-1])
+    if qtype not in TRITON_QTYPES:
+        raise ValueError(f"gguf_gemm_triton: {name} blocks are not supported (Q4_0, Q4_1, Q8_0)")
     if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.device != x.device:
         raise ValueError("gguf_gemm_triton: blocks must be uint8 [N, row bytes] on x's device")
     n = blocks.shape[0]
