@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
-def measure(quant_policy: str | None) -> tuple[float, float]:
+def measure(quant_policy: str) -> tuple[float, float]:
     from lmengine import Engine, EngineConfig, GenerationConfig
     from lmengine.api import chat_token_ids
 
@@ -71,10 +71,10 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = []
     for round_ in range(1, args.rounds + 1):
-        for policy in (None, "gguf"):
+        for policy in ("float", "gguf"):
             check_idle(args.force)
             decode, batch = measure(policy)
-            name = "Q4_1 blocks" if policy else "float32 expansion"
+            name = "Q4_1 blocks" if policy == "gguf" else "float32 expansion"
             rows.append((round_, name, decode, batch))
             print(f"round {round_} {name}: {decode:.1f} / {batch:.1f} tok/s", file=sys.stderr)
     print(f"{cpu_model()}, {time.strftime('%Y-%m-%d')}\n")

@@ -31,7 +31,8 @@ import time
 def lmengine_generator(args: argparse.Namespace):
     from lmengine import EngineConfig, GenerationConfig, pipeline
 
-    options = {"quant_policy": "gguf"} if args.engine == "lmengine-gguf" else {}
+    # the default model is a GGUF file: "float" for its float32 expansion
+    options = {"quant_policy": "gguf" if args.engine == "lmengine-gguf" else "float"}
     if args.threads:
         options["num_threads"] = args.threads
     pipe = pipeline(args.model, engine_config=EngineConfig(**options))

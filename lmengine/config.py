@@ -17,7 +17,7 @@ PYTHON_ONLY_FIELDS = frozenset(
 STRUCTURED_OUTPUT_KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 DEVICES = ("auto", "cuda", "cpu")
 EVICTION_TYPES = ("recompute", "swap")
-QUANT_POLICIES = (None, "w8a8", "gguf")
+QUANT_POLICIES = (None, "w8a8", "gguf", "float")
 KV_CACHE_DTYPES = ("auto", "int8")
 SPECULATIVE_METHODS = ("ngram", "draft_model")
 _EARLY_STOP = {"true": True, "false": False, "never": "never"}  # GenerationConfig.early_stopping
@@ -152,8 +152,9 @@ class EngineConfig:
     max_lora_rank: int = 0  # 0 = the largest rank among `adapters` (16 when there are none)
     # NOTE: the least recently used host copies beyond it are read again from their folder
     max_cpu_loras: int | None = None  # adapters kept in host memory; None = all
-    # w8a8 on a float checkpoint: no smoothing; gguf: weight-only, float activations
-    quant_policy: str | None = None  # "w8a8": int8 W+A; "gguf": the GGUF file's Q4/Q8 blocks
+    # w8a8 on a float checkpoint: no smoothing; gguf: weight-only, float activations. None: a
+    # GGUF file's blocks on CPU in float32 (docs/gguf.md), a model's own weights otherwise
+    quant_policy: str | None = None  # "w8a8": int8 W+A; "gguf": GGUF blocks; "float": expand
     enable_prefix_caching: bool = False
     kv_cache_dtype: str = "auto"  # "auto": K/V in the model dtype; "int8": int8 + per-token scales
     # speculative decoding: a SpeculativeConfig, dict, JSON object or "ngram"; None = off

@@ -189,3 +189,46 @@ def test_lora_adapters_on_gguf_blocks_equal_peft_on_the_expanded_model(tmp_path,
         outs = Pipeline(engine)(prompts, gen_config=gen, adapter_name=names)
         engine.check_integrity()
     assert [o.token_ids for o in outs] == expected
+
+
+def test_a_gguf_file_computes_on_its_blocks_by_default(tmp_path, tiny_hf):
+    """No quant_policy: a GGUF file's blocks on the CPU in float32; its float32 expansion with
+    quant_policy="float", in another dtype, or from the converted checkpoint folder."""
+    path = write_llama_gguf(tmp_path / "tiny-q4_1.gguf", tiny_hf, LAYOUTS["q4_1"])
+    cases = [
+        (path, {}, 2 * 4),
+        (path, {"quant_policy": "float"}, 0),
+        (path, {"dtype": "bfloat16"}, 0),
+        (resolve_model_path(path), {}, 0),
+    ]
+    for model_path, fields, num_block_linears in cases:
+        with Engine.from_pretrained(model_path, EngineConfig(num_gpu_blocks=16, **fields)) as e:
+            kinds = [type(m).__name__ for m in e.model_agent.runner.model.modules()]
+            assert kinds.count("GGUFLinear") == num_block_linears, (model_path, fields)
+            out = e.create_instance().infer(
+                0, [1, 2, 3], gen_config=GenerationConfig(max_new_tokens=2)
+            )
+            assert out.finish_reason == "length"
+
+
+def test_gguf_blocks_with_speculative_decoding_and_prefix_caching(tmp_path, tiny_hf):
+    """n-gram drafts verified on the blocks (a few rows per sequence: the GEMV and the tiled
+    GEMM), and prompts whose shared prefix comes from the prefix cache, still give the
+    expanded model's greedy tokens."""
+    path = write_llama_gguf(tmp_path / "tiny-mixed.gguf", tiny_hf, LAYOUTS["mixed"])
+    shared = random_prompts([24], 49152, seed=9)[0]
+    tails = random_prompts([3, 7, 5], 49152, seed=10)
+    prompts = [shared + tail for tail in tails] + [[7, 8, 9] * 6]  # repetitive: n-gram drafts
+    expected = hf_greedy(resolve_model_path(path), prompts, 16)
+    cfg = EngineConfig(
+        speculative="ngram", enable_prefix_caching=True, block_size=4, num_gpu_blocks=96
+    )
+    with Engine.from_pretrained(path, cfg) as engine:
+        gen = GenerationConfig(max_new_tokens=16)
+        first = run_threads(engine, prompts[:1], gen)
+        rest = run_threads(engine, prompts[1:], gen)
+        stats = engine.stats()
+        assert stats["num_prefix_cached_tokens"] >= 2 * 24
+        assert stats["speculative"]["num_accepted_tokens"] > 0
+        engine.check_integrity()
+    assert [r.token_ids for r in first + rest] == expected

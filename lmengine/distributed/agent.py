@@ -177,9 +177,9 @@ class TPModelAgent(ModelAgent):
         if cfg.quant_policy == "gguf":
             raise ValueError(
                 "tp > 1 with quant_policy='gguf' is not supported yet: the blocks are not "
-                "sharded; use tp=1, or the float32 expansion (no quant_policy) with tp > 1"
+                "sharded; use tp=1, or the float32 expansion (quant_policy='float') with tp > 1"
             )
-        if cfg.quant_policy is not None and not is_w8a8:
+        if cfg.quant_policy == "w8a8" and not is_w8a8:
             raise ValueError(
                 f"tp > 1 with quant_policy={cfg.quant_policy!r} on a float checkpoint is not "
                 "supported: quantize it first (`lmengine quantize w8a8`) and serve that "

@@ -316,7 +316,7 @@ class Engine:
 
     def _enable_lora(self, weights: dict[str, AdapterWeights]) -> None:
         cfg = self.engine_config
-        if cfg.quant_policy not in (None, "gguf"):  # adapters sit in float32 on GGUF blocks
+        if cfg.quant_policy == "w8a8":  # adapters sit in float32 on GGUF blocks
             raise ValueError(
                 f"LoRA adapters are not supported together with quant_policy={cfg.quant_policy!r}"
             )

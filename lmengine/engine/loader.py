@@ -163,6 +163,6 @@ def load_model_and_tokenizer(
         )
     model.to(dev).eval().requires_grad_(False)
     source = gguf_source(model_path, path)
-    model.lmengine_gguf_file = str(source) if source is not None else None  # quant_policy="gguf"
+    model.lmengine_gguf_file = str(source) if source is not None else None  # for lmengine.quant
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     return model, tokenizer, path, dev
