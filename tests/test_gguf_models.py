@@ -191,9 +191,10 @@ def test_lora_adapters_on_gguf_blocks_equal_peft_on_the_expanded_model(tmp_path,
     assert [o.token_ids for o in outs] == expected
 
 
-def test_a_gguf_file_computes_on_its_blocks_by_default(tmp_path, tiny_hf):
+def test_a_gguf_file_computes_on_its_blocks_by_default(tmp_path, tiny_hf, monkeypatch):
     """No quant_policy: a GGUF file's blocks on the CPU in float32; its float32 expansion with
-    quant_policy="float", in another dtype, or from the converted checkpoint folder."""
+    quant_policy="float", in another dtype, from the converted checkpoint folder, or where the
+    blocks cannot be read (another architecture)."""
     path = write_llama_gguf(tmp_path / "tiny-q4_1.gguf", tiny_hf, LAYOUTS["q4_1"])
     cases = [
         (path, {}, 2 * 4),
@@ -205,10 +206,18 @@ def test_a_gguf_file_computes_on_its_blocks_by_default(tmp_path, tiny_hf):
         with Engine.from_pretrained(model_path, EngineConfig(num_gpu_blocks=16, **fields)) as e:
             kinds = [type(m).__name__ for m in e.model_agent.runner.model.modules()]
             assert kinds.count("GGUFLinear") == num_block_linears, (model_path, fields)
-            out = e.create_instance().infer(
-                0, [1, 2, 3], gen_config=GenerationConfig(max_new_tokens=2)
-            )
-            assert out.finish_reason == "length"
+            gen = GenerationConfig(max_new_tokens=2)
+            assert e.create_instance().infer(0, [1, 2, 3], gen_config=gen).finish_reason == "length"
+
+    def not_llama(gguf_file):
+        raise ValueError(f"{gguf_file}: GGUF blocks are read for Llama-architecture files only")
+
+    monkeypatch.setattr("lmengine.quant.gguf.read_gguf_blocks", not_llama)
+    with Engine.from_pretrained(path, EngineConfig(num_gpu_blocks=16)) as engine:
+        kinds = [type(m).__name__ for m in engine.model_agent.runner.model.modules()]
+        assert "GGUFLinear" not in kinds
+    with pytest.raises(ValueError, match="Llama-architecture files only"):
+        Engine.from_pretrained(path, EngineConfig(num_gpu_blocks=16, quant_policy="gguf"))
 
 
 def test_gguf_blocks_with_speculative_decoding_and_prefix_caching(tmp_path, tiny_hf):

@@ -21,7 +21,7 @@ def apply_quant_policy(model, engine_config):
         from lmengine.quant.gguf import apply_gguf, check_engine_support
 
         check_engine_support(engine_config, gguf_file)
-        return apply_gguf(model, gguf_file)
+        return apply_gguf(model, gguf_file, required=policy == "gguf")
     return apply_w8a8_policy(model, engine_config)
 
 

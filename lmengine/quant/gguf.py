@@ -78,9 +78,17 @@ def _blocks_for(name: str, module: PackedLinear, blocks: dict[str, GGUFWeight]):
     return None if any(p is None for p in parts) else parts
 
 
-def apply_gguf(model: nn.Module, gguf_file: str) -> nn.Module:
-    """Replace the patched model's linears by GGUFLinears over `gguf_file`'s blocks."""
-    blocks = read_gguf_blocks(gguf_file)
+def apply_gguf(model: nn.Module, gguf_file: str, required: bool = True) -> nn.Module:
+    """Replace the patched model's linears by GGUFLinears over `gguf_file`'s blocks. Not
+    `required` (the default policy): a file whose blocks cannot be used (another architecture,
+    no linear in a supported type) leaves the model on its float32 expansion."""
+    try:
+        blocks = read_gguf_blocks(gguf_file)
+    except ValueError as e:
+        if required:
+            raise
+        logger.info("%s: computing on the float32 expansion (%s)", gguf_file, e)
+        return model
     replaced = 0
     for name, module in list(model.named_modules()):
         if not isinstance(module, PackedLinear) or name.endswith("lm_head"):
@@ -100,6 +108,9 @@ def apply_gguf(model: nn.Module, gguf_file: str) -> nn.Module:
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
         replaced += 1
+    if replaced == 0 and not required:
+        logger.info("%s: no linear in a supported block type; float32 expansion", gguf_file)
+        return model
     if replaced == 0:
         raise ValueError(f"{gguf_file}: no linear of the model is stored in a supported block type")
     head = model.get_output_embeddings()

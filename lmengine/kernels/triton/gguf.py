@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lmengine.kernels.gguf import BLOCK_BYTES, TRITON_QTYPES, check_qtype
+from lmengine.kernels.gguf_types import BLOCK_BYTES, TRITON_QTYPES, check_qtype
 
 
 @triton.jit
