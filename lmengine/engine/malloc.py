@@ -18,6 +18,7 @@ glibc's defaults alone. Other C libraries (musl, macOS) are left alone.
 from __future__ import annotations
 
 import ctypes
+import gc
 import logging
 import os
 import sys
@@ -55,3 +56,20 @@ def keep_freed_memory() -> bool:
         logger.warning("glibc refused the malloc settings: large CPU tensors fault in each step")
     _applied = ok
     return ok
+
+
+def release_freed_memory(device) -> None:
+    """Hand the memory freed so far back to the system: glibc's `malloc_trim` where the
+    settings above keep it, the caching allocator's blocks on CUDA. Called after a model's
+    float weights were replaced by smaller ones (GGUF blocks), so that sizing the KV pool from
+    the free memory sees them gone."""
+    gc.collect()  # replaced modules can sit in reference cycles
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.empty_cache()
+    elif _applied:
+        try:
+            ctypes.CDLL(None).malloc_trim(0)
+        except (OSError, AttributeError):
+            pass

@@ -14,6 +14,7 @@ from tests.engine_utils import random_prompts, run_threads
 from tests.gpu.common import (
     FP32_LOGPROB_TOL,
     FP32_TIE_MARGIN,
+    ON_CPU,
     check_greedy_against,
     engine_config,
     hf_greedy_reference,
@@ -58,3 +59,18 @@ def test_gguf_blocks_on_the_device_follow_transformers(
         check_greedy_against(got, reference, FP32_TIE_MARGIN, FP32_LOGPROB_TOL, 0.9)
         engine.check_integrity()
     triton_spy.assert_ran("gguf_gemm_triton")
+
+
+def test_the_kv_pool_sees_the_smaller_weights(smollm2_path):
+    """On the device, the float32 weights the blocks replace are handed back before the KV
+    pool is sized from the free memory: SmolLM2 on its Q4_1 blocks gets a larger pool. (On
+    the CPU the float checkpoint is memory-mapped, and its pages count as available either
+    way.)"""
+    if ON_CPU:
+        pytest.skip("the CPU sizes the pool from available memory, mapped weights included")
+    num_blocks = {}
+    for policy in ("float", "gguf"):
+        with Engine.from_pretrained(None, engine_config(quant_policy=policy)) as engine:
+            num_blocks[policy] = engine.model_agent.cache_engine.num_gpu_blocks
+        release_device_memory()
+    assert num_blocks["gguf"] > num_blocks["float"], num_blocks
