@@ -20,7 +20,6 @@ import torch
 from lmengine.config import EngineConfig
 from lmengine.engine.cache_engine import CacheEngine, CacheSpec, derive_num_blocks
 from lmengine.engine.lora_pool import LoRAPool
-from lmengine.engine.malloc import release_freed_memory
 from lmengine.engine.research import prompt_logprobs
 from lmengine.engine.runner import ModelRunner
 from lmengine.engine.sampling import Sampler, sequence_output
@@ -49,8 +48,6 @@ class ModelAgent:
     ) -> None:
         cfg = engine_config
         model = apply_quant_policy(patch(model, cfg.module_map), cfg)
-        # the KV pool is sized from the free memory: without the weights quantization replaced
-        release_freed_memory(device)
         if device.type == "cpu":
             cpu_ext.load()  # NOTE: build the compiled kernels now, not inside the first step
         spec = CacheSpec.for_model(info, cfg, next(model.parameters()).dtype)

@@ -23,7 +23,6 @@ import torch.nn.functional as F
 
 from lmengine.kernels import cpu_ext
 from lmengine.kernels.gguf_types import (  # noqa: F401  (the types' tables live there)
-    BLOCK,
     BLOCK_BYTES,
     BLOCK_WEIGHTS,
     QTYPES,

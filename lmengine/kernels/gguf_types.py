@@ -3,7 +3,6 @@ blocks (shared by the CPU kernels of `lmengine.kernels.gguf` and the Triton kern
 
 from __future__ import annotations
 
-BLOCK = 32  # weights per block of the 32-weight types (a group of the 256-weight K types)
 # name -> ggml's type id (gguf.GGMLQuantizationType), weights per block, bytes per block
 QTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
 BLOCK_WEIGHTS = {"Q4_0": 32, "Q4_1": 32, "Q8_0": 32, "Q4_K": 256, "Q6_K": 256}

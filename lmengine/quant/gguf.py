@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from lmengine.engine.gguf_blocks import GGUFWeight, read_gguf_blocks
+from lmengine.engine.malloc import release_freed_memory
 from lmengine.kernels.gguf import check_qtype, gemv_kernel
 from lmengine.models.layers import GGUFLinear, MergedLinear, PackedLinear
 
@@ -119,6 +120,8 @@ def apply_gguf(model: nn.Module, gguf_file: str, required: bool = True) -> nn.Mo
         _check_expands_to(head_weight.dequantize(), head, "the LM head", gguf_file)
         GGUFHead.convert(head, head_weight)
     logger.info("quant_policy='gguf': %d linears compute on %s's blocks", replaced, gguf_file)
+    # the ModelAgent sizes the KV pool from the free memory next: without the float32 weights
+    release_freed_memory(next(model.parameters()).device)
     return model
 
 

@@ -42,7 +42,16 @@
 
 namespace {
 
-
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// Two 256-bit halves as one 16-lane vector (two AVX registers to GCC).
+template <typename V, typename H>
+inline V join_halves(H lo, H hi) {
+  V r;
+  std::memcpy(&r, &lo, 32);
+  std::memcpy(reinterpret_cast<char*>(&r) + 32, &hi, 32);
+  return r;
+}
+#endif
 
 // 16 bytes at `p` widened to int32, sign- or zero-extended.
 // NOTE: intrinsics: GCC widens a vector of signed bytes (and unsigned ones in some contexts)
@@ -57,10 +66,7 @@ inline v16i32 widen16(const uint8_t* p) {
   const __m128i c = _mm_unpackhi_epi64(b, b);
   const __m256i lo = kSigned ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b);
   const __m256i hi = kSigned ? _mm256_cvtepi8_epi32(c) : _mm256_cvtepu8_epi32(c);
-  v16i32 r;
-  std::memcpy(&r, &lo, 32);
-  std::memcpy(reinterpret_cast<char*>(&r) + 32, &hi, 32);
-  return r;
+  return join_halves<v16i32>(lo, hi);
 #else
   v16i32 r;
   for (int j = 0; j < 16; ++j) r[j] = kSigned ? static_cast<int8_t>(p[j]) : p[j];
@@ -79,10 +85,7 @@ inline v16f splat16(float v) {
   return (v16f)_mm512_set1_ps(v);
 #elif defined(__AVX2__)
   const __m256 h = _mm256_set1_ps(v);
-  v16f r;
-  std::memcpy(&r, &h, 32);
-  std::memcpy(reinterpret_cast<char*>(&r) + 32, &h, 32);
-  return r;
+  return join_halves<v16f>(h, h);
 #else
   v16f r;
   for (int j = 0; j < 16; ++j) r[j] = v;
