@@ -27,7 +27,6 @@ import torch.nn.functional as F
 from lmengine.kernels import cpu_ext
 from lmengine.kernels.attention_metadata import AttentionMetadata
 from lmengine.kernels.kv_quant import dequantize_kv, dequantize_kv_ref
-from lmengine.kernels.linear import mkl_is_fast
 
 
 def paged_attention_ref(
@@ -186,10 +185,11 @@ def _decode_kernel():
 
 def _prefill_kernel():
     """The compiled prefill kernel (causal prompt chunks, reading the cache in place), or None
-    (then prompts use the gather + SDPA path). It runs on MKL's GEMM, so on Intel CPUs only,
-    where MKL takes its fast paths (kernels/linear.py); measured there, not elsewhere."""
+    (then prompts use the gather + SDPA path). It runs on oneDNN's GEMM microkernel, which is
+    compiled for the CPU's ISA on Intel and AMD alike; the module offers it where it was built
+    for AVX-512 (its 16-float vector code is slow in an AVX2 build)."""
     module = cpu_ext.load()
-    if module is None or not mkl_is_fast() or not module.prefill_attention_available():
+    if module is None or not module.prefill_attention_available():
         return None
     return module.paged_prefill_attention
 

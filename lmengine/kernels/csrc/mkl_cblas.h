@@ -13,10 +13,6 @@ void cblas_sgemm_pack(int layout, int identifier, int trans, int m, int n, int k
 void cblas_sgemm_compute(int layout, int transa, int transb, int m, int n, int k, const float* a,
                          int lda, const float* b, int ldb, float beta, float* c, int ldc)
     __attribute__((weak));
-// the plain GEMM: only its Fortran (column-major) entry is exported
-void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k,
-            const float* alpha, const float* a, const int* lda, const float* b, const int* ldb,
-            const float* beta, float* c, const int* ldc) __attribute__((weak));
 }
 
 namespace mkl_cblas {
@@ -25,20 +21,6 @@ constexpr int kRowMajor = 101, kNoTrans = 111, kTrans = 112, kPacked = 151, kBMa
 
 inline bool mkl_cblas_available() {
   return cblas_sgemm_pack_get_size != nullptr && cblas_sgemm_pack != nullptr &&
-         cblas_sgemm_compute != nullptr && sgemm_ != nullptr;
+         cblas_sgemm_compute != nullptr;
 }
 
-// Row-major c[m, n] = a[m, k] b[n, k]^T + beta c (leading dimensions in elements), through the
-// column-major sgemm_: c^T = b a^T.
-inline void sgemm_row_nt(int m, int n, int k, const float* a, int lda, const float* b, int ldb,
-                         float beta, float* c, int ldc) {
-  const float one = 1.f;
-  sgemm_("T", "N", &n, &m, &k, &one, b, &ldb, a, &lda, &beta, c, &ldc);
-}
-
-// Row-major c[m, n] = a[m, k] b[k, n] + beta c, through the column-major sgemm_: c^T = b^T a^T.
-inline void sgemm_row_nn(int m, int n, int k, const float* a, int lda, const float* b, int ldb,
-                         float beta, float* c, int ldc) {
-  const float one = 1.f;
-  sgemm_("N", "N", &n, &m, &k, &one, b, &ldb, a, &lda, &beta, c, &ldc);
-}

@@ -6,6 +6,10 @@
 #include <cstdint>
 #include <cstring>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 // Rows per at::parallel_for task for rows of `row_elems` elements: about `elems_per_task`
 // elements each, so a decode step's few rows stay on one thread (no fork / join, which costs
 // more than the work on a busy machine).
@@ -27,6 +31,35 @@ inline float hsum16(v16f a) {
   float s = 0.f;
   for (int i = 0; i < 8; ++i) s += h[i];
   return s;
+}
+
+// One round of a 16 x 16 transpose held in 16 vectors: every 2h x 2h block swaps its two
+// off-diagonal h x h blocks (row i takes, in its columns with bit h set, row i + h's columns
+// with it clear, and the other way round). Rounds h = 8, 4, 2, 1 transpose the whole block;
+// each row pair is two 2-source permutes (one instruction each on AVX-512).
+template <int h>
+inline void transpose_round(v16f* r) {
+  const v16i32 j = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  const v16i32 high = (j & h) != 0;  // -1 where column j has bit h set
+  const v16i32 lo = j + (high & (16 - h)), hi = j + h + (high & (16 - h));
+  for (int i = 0; i < 16; ++i) {
+    if (i & h) continue;
+    const v16f a = r[i], b = r[i + h];
+    r[i] = __builtin_shuffle(a, b, lo);
+    r[i + h] = __builtin_shuffle(a, b, hi);
+  }
+}
+
+// dst[j][i] = src[i][j] * scale for a 16 x 16 block (rows src_ld and dst_ld floats apart).
+inline void transpose16(const float* src, int64_t src_ld, float* dst, int64_t dst_ld,
+                        float scale = 1.f) {
+  v16f r[16];
+  for (int i = 0; i < 16; ++i) r[i] = load16(src + i * src_ld) * scale;
+  transpose_round<8>(r);
+  transpose_round<4>(r);
+  transpose_round<2>(r);
+  transpose_round<1>(r);
+  for (int i = 0; i < 16; ++i) std::memcpy(dst + i * dst_ld, &r[i], sizeof(v16f));
 }
 
 // exp(x) once x is split as n ln2 + r: the degree-6 polynomial for exp(r), |r| <= ln2 / 2
@@ -62,7 +95,20 @@ inline float exp_approx(float x) {
 // exp_approx on 16 floats at once, with vector extensions: the scalar form in an `omp simd`
 // loop compiled to 8 lanes in the prefill attention kernel, which spent half its time there.
 inline v16f exp16(v16f x) {
-  const v16f zero = {}, lo = zero - 87.3f, hi = zero + 88.7f;
+  const v16f zero = {}, lo = zero - 87.3f;
+#if defined(__AVX512F__)
+  // the same n, polynomial and result, in fewer instructions: vrndscaleps rounds n (to
+  // nearest even, as the magic-number add does) and vscalefps multiplies by 2^n exactly; lanes
+  // at or below -87.3 (-inf included) are zeroed by the mask instead of clamped first (NaN
+  // stays NaN), and 88.38-88.72 give their finite value instead of inf
+  const __m512 xv = reinterpret_cast<__m512>(x);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xv, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const v16f p = exp_poly(x, reinterpret_cast<v16f>(n));
+  const __mmask16 above = _mm512_cmp_ps_mask(xv, reinterpret_cast<__m512>(lo), _CMP_NLE_UQ);
+  return reinterpret_cast<v16f>(_mm512_maskz_scalef_ps(above, reinterpret_cast<__m512>(p), n));
+#else
+  const v16f hi = zero + 88.7f;
   x = x < lo ? lo : x;
   x = x > hi ? hi : x;
   const v16f magic = zero + 12582912.f;  // 1.5 * 2^23: adding it rounds to the nearest integer
@@ -72,6 +118,7 @@ inline v16f exp16(v16f x) {
   v16f scale;
   std::memcpy(&scale, &bits, sizeof(scale));
   return x <= lo ? zero : p * scale;
+#endif
 }
 
 // Ask for the cache line holding p (read, all cache levels). NOTE: not __builtin_prefetch in
