@@ -51,7 +51,7 @@ def test_block_bytes_count_the_scales(monkeypatch):
     assert int8.block_bytes == 2 * 30 * 16 * 3 * (64 + 4)  # int8 values + a float32 scale
     assert spec(torch.float16, "auto").block_bytes / int8.block_bytes == pytest.approx(1.88, 0.01)
     assert spec(torch.float32, "auto").block_bytes / int8.block_bytes == pytest.approx(3.76, 0.01)
-    monkeypatch.setattr(ce, "free_memory_bytes", lambda device: 1 << 30)
+    monkeypatch.setattr(ce, "free_memory_bytes", lambda device, in_use=(): 1 << 30)
     cpu = torch.device("cpu")
     fp32, q8 = (derive_num_blocks(spec(torch.float32, kv), cpu, 0.5) for kv in ("auto", "int8"))
     assert q8 == (1 << 29) // int8.block_bytes and 3.7 < q8 / fp32 < 3.8

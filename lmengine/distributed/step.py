@@ -17,7 +17,12 @@ import torch.distributed as dist
 
 from lmengine.config import EngineConfig
 from lmengine.distributed.comm import all_reduce_min
-from lmengine.engine.cache_engine import CacheEngine, CacheSpec, derive_num_blocks
+from lmengine.engine.cache_engine import (
+    CacheEngine,
+    CacheSpec,
+    derive_num_blocks,
+    module_tensors,
+)
 from lmengine.engine.step import StepInput
 from lmengine.models.model_info import ModelInfo
 
@@ -100,7 +105,9 @@ def build_rank_cache(
     if not num_blocks:
         # NOTE: on CPU the ranks share one RAM, so each takes its share of the fraction
         fraction = cfg.cache_max_entry_count / (cfg.tp if device.type == "cpu" else 1)
-        num_blocks = derive_num_blocks(spec, device, fraction, *sharing)
+        num_blocks = derive_num_blocks(
+            spec, device, fraction, *sharing, in_use=module_tensors(model)
+        )
     num_blocks = all_reduce_min(num_blocks)
     if num_blocks < 1:
         raise ValueError("no memory left for even one KV block on some rank")

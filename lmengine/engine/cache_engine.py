@@ -11,7 +11,10 @@ copies move every tensor of the tuple, so the scales always travel with their bl
 
 from __future__ import annotations
 
+import bisect
+from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -64,22 +67,64 @@ class CacheSpec:
         return [(page, torch.int8)] * 2 + [(page[:3], torch.float32)] * 2
 
 
-def free_memory_bytes(device: torch.device) -> int:
-    """Free device memory; on CPU, the RAM available to new allocations."""
+def free_memory_bytes(device: torch.device, in_use: Iterable[torch.Tensor] = ()) -> int:
+    """Free device memory; on CPU, the RAM available to new allocations, less the tensors of
+    `in_use` (a model's weights) that are memory-mapped from a file: the kernel counts the page
+    cache holding them as available, though the model keeps reading them."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
     import psutil
 
-    return psutil.virtual_memory().available
+    return psutil.virtual_memory().available - file_backed_bytes(in_use)
+
+
+def module_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
+    """A model's parameters and buffers, for `free_memory_bytes`' `in_use`."""
+    return [*module.parameters(), *module.buffers()]
+
+
+def file_backed_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the storages of these CPU tensors that lie in file mappings of this process
+    (/proc/self/maps; 0 where it cannot be read), each storage counted once."""
+    try:
+        lines = Path("/proc/self/maps").read_text().splitlines()
+    except OSError:
+        return 0
+    starts, ends = [], []
+    for line in lines:
+        fields = line.split(maxsplit=5)
+        # address range, perms, offset, device, inode, path: a file's inode is not 0
+        if len(fields) == 6 and fields[4] != "0":
+            start, end = fields[0].split("-")
+            starts.append(int(start, 16))
+            ends.append(int(end, 16))
+    order = sorted(range(len(starts)), key=starts.__getitem__)
+    starts, ends = [starts[i] for i in order], [ends[i] for i in order]
+    seen, total = set(), 0
+    for t in tensors:
+        storage = t.untyped_storage()
+        address = storage.data_ptr()
+        if t.device.type != "cpu" or address in seen or storage.nbytes() == 0:
+            continue
+        seen.add(address)
+        i = bisect.bisect_right(starts, address) - 1
+        if i >= 0 and address < ends[i]:
+            total += storage.nbytes()
+    return total
 
 
 def derive_num_blocks(
-    spec: CacheSpec, device: torch.device, fraction: float, *sharing: CacheSpec
+    spec: CacheSpec,
+    device: torch.device,
+    fraction: float,
+    *sharing: CacheSpec,
+    in_use: Iterable[torch.Tensor] = (),
 ) -> int:
     """Blocks that `fraction` of free memory holds. `sharing`: caches addressed by the same
-    block ids (a speculative draft model's), so each block costs theirs too."""
+    block ids (a speculative draft model's), so each block costs theirs too. `in_use`: the
+    model's tensors (see `free_memory_bytes`)."""
     block_bytes = spec.block_bytes + sum(other.block_bytes for other in sharing)
-    return int(free_memory_bytes(device) * fraction // block_bytes)
+    return int(max(0, free_memory_bytes(device, in_use)) * fraction // block_bytes)
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

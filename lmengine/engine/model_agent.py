@@ -18,7 +18,12 @@ from __future__ import annotations
 import torch
 
 from lmengine.config import EngineConfig
-from lmengine.engine.cache_engine import CacheEngine, CacheSpec, derive_num_blocks
+from lmengine.engine.cache_engine import (
+    CacheEngine,
+    CacheSpec,
+    derive_num_blocks,
+    module_tensors,
+)
 from lmengine.engine.lora_pool import LoRAPool
 from lmengine.engine.research import prompt_logprobs
 from lmengine.engine.runner import ModelRunner
@@ -54,7 +59,11 @@ class ModelAgent:
         proposer = build_proposer(cfg, info, device)
         # NOTE: a draft model's cache uses the same block ids, so a block costs both caches
         num_blocks = cfg.num_gpu_blocks or derive_num_blocks(
-            spec, device, cfg.cache_max_entry_count, *(proposer.cache_specs() if proposer else ())
+            spec,
+            device,
+            cfg.cache_max_entry_count,
+            *(proposer.cache_specs() if proposer else ()),
+            in_use=module_tensors(model),
         )
         if num_blocks < 1:
             raise ValueError("no memory left for even one KV block: lower the model size")

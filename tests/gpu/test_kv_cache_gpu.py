@@ -74,9 +74,9 @@ def test_pool_sized_from_free_memory(
     readings: list[int] = []
     read = cache_engine.free_memory_bytes
 
-    def spy(dev: torch.device) -> int:
+    def spy(dev: torch.device, in_use=()) -> int:
         assert dev.type == device.type, f"free memory read on {dev}, the engine runs on {device}"
-        readings.append(read(dev))
+        readings.append(read(dev, in_use))
         return readings[-1]
 
     monkeypatch.setattr(cache_engine, "free_memory_bytes", spy)
