@@ -3,15 +3,16 @@
 // head side by side in one GEMM.
 //
 // First each (sequence, KV head)'s keys are copied out of the cache blocks into a contiguous
-// [kv_len, D] buffer and its values into a transposed [D, kv_len] one (one pass). One task is
+// [kv_len, D] buffer and its values into transposed [D, keys] tiles (one pass). One task is
 // (sequence, KV head, block of query rows): its queries of the G heads of that KV head become
 // the M = G x rows columns of a [D, M] tile (scaled), and it walks the keys it can see in tiles
 // of kK:
 //   S^T [keys, M] = K Q^T       and      O^T [D, M] += V^T P^T,
 // two calls of oneDNN's GEMM microkernel (torch's cpublas::brgemm, JIT-compiled for the CPU's
-// ISA on Intel and AMD alike), one thread each (the tasks are the parallelism). With the scores transposed, one vector holds 16 query rows: the online
-// softmax's running maximum, its sum, the rescaling and the causal limit are all vertical
-// vector operations, with no reduction across lanes. Tasks go to the threads largest first
+// ISA on Intel and AMD alike), one thread each (the tasks are the parallelism). With the
+// scores transposed, one vector holds 16 query rows: the online softmax's running maximum, its
+// sum, the rescaling and the causal limit are all vertical vector operations, with no
+// reduction across lanes. Tasks go to the threads largest first
 // (the causal work grows with the query position).
 //
 // Measured on an Intel Xeon (family 6, model 167), 2 threads, SmolLM2's shapes (9 heads, 3 KV
@@ -40,10 +41,15 @@ constexpr int64_t kK = 128;  // keys per tile: a multiple of 16
 int64_t rows_per_task(int64_t group) { return 16 * std::max<int64_t>(1, 4 / group); }
 
 inline int64_t round16(int64_t x) { return (x + 15) / 16 * 16; }
-// A row's length in the transposed values: the key count rounded up to 16, and 16 more, so
-// that rows 2^k floats long (1,024 keys: 4 KiB) do not all map to the same L1 sets (measured:
-// 5 % on the whole kernel)
-inline int64_t kv_pad(int64_t x) { return round16(x) + 16; }
+// The transposed values are stored one key tile at a time, [tiles][D][kVRow]: every GEMM
+// reads them with the same leading dimension, so oneDNN compiles its microkernels for a few
+// tile widths only (it keeps one per shape and leading dimension, per thread, for the life of
+// the process; a leading dimension that followed each sequence's length compiled new ones for
+// every prompt length). kVRow is 16 more than the tile, so that rows are not 2^k floats apart:
+// rows 4 KiB apart all mapped to the same L1 sets (measured: 5 % on the whole kernel).
+constexpr int64_t kVRow = kK + 16;
+
+inline int64_t key_tiles(int64_t kv_len) { return (kv_len + kK - 1) / kK; }
 
 struct Task {
   int64_t seq, kv_head, row0, rows, cost;
@@ -176,38 +182,44 @@ void paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
   const int64_t token_stride = kv_heads * dim;  // between two keys of a block, one KV head
   const int64_t block_stride = bs * token_stride;
   const float fscale = static_cast<float>(scale);
-  // per (sequence, KV head): keys [kv_pad, D] and values transposed [D, pad]: kv_len rounded
-  // up to 16 with zeros (a tile's scores are computed 16 keys at a time)
-  std::vector<int64_t> kv_off(n * kv_heads + 1, 0);
+  // per (sequence, KV head): keys [kv_len rounded up to 16, D] (a tile's scores are computed
+  // 16 keys at a time) and values transposed in tiles [tiles, D, kVRow], zeros past kv_len
+  std::vector<int64_t> k_off(n * kv_heads + 1, 0), v_off(n * kv_heads + 1, 0);
   for (int64_t s = 0; s < n; ++s)
-    for (int64_t h = 0; h < kv_heads; ++h)
-      kv_off[s * kv_heads + h + 1] = kv_off[s * kv_heads + h] + kv_pad(kl[s]) * dim;
-  auto kbuf = at::empty({kv_off.back()}, q.options());
-  auto vbuf = at::empty({kv_off.back()}, q.options());
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      const int64_t u = s * kv_heads + h;
+      k_off[u + 1] = k_off[u] + round16(kl[s]) * dim;
+      v_off[u + 1] = v_off[u] + key_tiles(kl[s]) * dim * kVRow;
+    }
+  auto kbuf = at::empty({k_off.back()}, q.options());
+  auto vbuf = at::empty({v_off.back()}, q.options());
   float* kg = kbuf.data_ptr<float>();
   float* vg = vbuf.data_ptr<float>();
   // 16 positions at a time where a cache block holds them all
   const bool whole16 = bs % 16 == 0 && dim % 16 == 0;
   at::parallel_for(0, n * kv_heads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t u = begin; u < end; ++u) {
-      const int64_t s = u / kv_heads, h = u % kv_heads, len = kl[s], pad = kv_pad(len);
+      const int64_t s = u / kv_heads, h = u % kv_heads, len = kl[s];
       auto offset = [&](int64_t pos) {  // of (pos, h) in the caches
         return tab[s * max_blocks + pos / bs] * block_stride + (pos % bs) * token_stride +
                h * dim;
       };
-      float* keys = kg + kv_off[u];
-      float* values_t = vg + kv_off[u];
+      float* keys = kg + k_off[u];
+      float* values_t = vg + v_off[u];
+      auto value_col = [&](int64_t pos) {  // of position pos, row d = 0, in values_t
+        return values_t + (pos / kK) * dim * kVRow + pos % kK;
+      };
       for (int64_t pos = 0; pos < len; ++pos)
         std::copy(kc + offset(pos), kc + offset(pos) + dim, keys + pos * dim);
+      std::fill(keys + len * dim, keys + round16(len) * dim, 0.f);
+      const int64_t last = (key_tiles(len) - 1) * dim * kVRow;  // the last tile: zeros first
+      std::fill(values_t + last, values_t + last + dim * kVRow, 0.f);
       int64_t pos = 0;
-      for (; whole16 && pos + 16 <= len; pos += 16)
+      for (; whole16 && pos + 16 <= len; pos += 16)  // within one tile (kK: a multiple of 16)
         for (int64_t d0 = 0; d0 < dim; d0 += 16)
-          transpose16(vc + offset(pos) + d0, token_stride, values_t + d0 * pad + pos, pad);
+          transpose16(vc + offset(pos) + d0, token_stride, value_col(pos) + d0 * kVRow, kVRow);
       for (; pos < len; ++pos)
-        for (int64_t d = 0; d < dim; ++d) values_t[d * pad + pos] = vc[offset(pos) + d];
-      std::fill(keys + len * dim, keys + pad * dim, 0.f);
-      for (int64_t d = 0; d < dim; ++d)
-        std::fill(values_t + d * pad + len, values_t + (d + 1) * pad, 0.f);
+        for (int64_t d = 0; d < dim; ++d) value_col(pos)[d * kVRow] = vc[offset(pos) + d];
     }
   });
   const int64_t num_tasks = static_cast<int64_t>(tasks.size());
@@ -220,9 +232,8 @@ void paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
       const Task& t = tasks[ti];
       const int64_t first_pos = kl[t.seq] - ql[t.seq] + t.row0;  // position of the first row
       const int64_t key_end = first_pos + t.rows;                // keys the last row sees
-      const int64_t pad = kv_pad(kl[t.seq]);
-      const float* keys = kg + kv_off[t.seq * kv_heads + t.kv_head];
-      const float* values_t = vg + kv_off[t.seq * kv_heads + t.kv_head];
+      const float* keys = kg + k_off[t.seq * kv_heads + t.kv_head];
+      const float* values_t = vg + v_off[t.seq * kv_heads + t.kv_head];
       // Q^T: column g * task_rows + i = head kv_head * group + g, token q_start + row0 + i,
       // scaled; columns past the chunk's rows are zeros (computed, never written out)
       std::fill(qt.begin(), qt.end(), 0.f);
@@ -247,7 +258,8 @@ void paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
         gemm(kn16, m, dim, keys + k0 * dim, dim, qt.data(), m, st.data(), m, false);
         softmax_tile(st.data(), kn16, m, task_rows, first_pos, k0, row_max.data(),
                      row_sum.data(), ot.data(), dim);
-        gemm(dim, m, kn16, values_t + k0, pad, st.data(), m, ot.data(), m, true);
+        gemm(dim, m, kn16, values_t + k0 / kK * dim * kVRow, kVRow, st.data(), m, ot.data(), m,
+             true);
       }
       // O = (O^T)^T / sum, row by row into `out`
       for (int64_t c = 0; c < m; c += 16) {
