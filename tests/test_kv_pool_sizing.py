@@ -9,7 +9,12 @@ import torch
 
 from lmengine import Engine, EngineConfig
 from lmengine.engine import cache_engine
-from lmengine.engine.cache_engine import CacheSpec, file_backed_bytes, free_memory_bytes
+from lmengine.engine.cache_engine import (
+    CacheSpec,
+    file_backed_bytes,
+    free_memory_bytes,
+    module_tensors,
+)
 
 MB = 1 << 20
 
@@ -41,6 +46,15 @@ def test_free_cpu_memory_leaves_out_the_mapped_weights(mapped, monkeypatch):
     spec = CacheSpec(num_layers=1, num_kv_heads=1, head_dim=64, block_size=16, dtype=torch.float32)
     with_weights = cache_engine.derive_num_blocks(spec, cpu, 1.0, in_use=[mapped])
     assert with_weights == 96 * MB // spec.block_bytes
+    Memory.available = 3 * MB  # less than the mapped weights: no block, not a negative count
+    assert cache_engine.derive_num_blocks(spec, cpu, 1.0, in_use=[mapped]) == 0
+
+
+def test_the_default_models_weights_are_partly_mapped_and_left_out():
+    # the float32 expansion is read from the converted checkpoint's mapped file
+    with Engine.from_pretrained(None, EngineConfig(quant_policy="float")) as engine:
+        model = engine.model_agent.runner.model
+        assert file_backed_bytes(module_tensors(model)) > 50 * MB
 
 
 def test_the_engine_sizes_its_pool_with_its_weights_in_use(tiny_llama_path, monkeypatch):

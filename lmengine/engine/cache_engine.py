@@ -102,9 +102,11 @@ def file_backed_bytes(tensors: Iterable[torch.Tensor]) -> int:
     starts, ends = [starts[i] for i in order], [ends[i] for i in order]
     seen, total = set(), 0
     for t in tensors:
+        if t.device.type != "cpu":
+            continue
         storage = t.untyped_storage()
         address = storage.data_ptr()
-        if t.device.type != "cpu" or address in seen or storage.nbytes() == 0:
+        if address in seen or storage.nbytes() == 0:
             continue
         seen.add(address)
         i = bisect.bisect_right(starts, address) - 1

@@ -32,11 +32,25 @@ def threads(request):
 # keys, chunks with cached history, and a decode row among them
 CASES = [
     ([5], [5]),
+    ([128, 256], [128, 256]),  # key counts that fill their last tile exactly
+    ([16], [128]),
     ([100, 37], [100, 37]),
     ([300, 2], [300, 2]),
     ([30, 64, 1], [200, 64, 17]),
     ([129, 65], [400, 65]),
 ]
+
+
+def poison_unowned_slots(k_cache, v_cache, tables, kv_lens):
+    """NaN in every cache slot no sequence owns: a kernel that read past a sequence's keys
+    would carry it into the output."""
+    free = torch.ones(k_cache.shape[:2], dtype=torch.bool)
+    block_size = k_cache.shape[1]
+    for table, length in zip(tables.tolist(), kv_lens):
+        for pos in range(length):
+            free[table[pos // block_size], pos % block_size] = False
+    k_cache[free] = float("nan")
+    v_cache[free] = float("nan")
 
 
 @pytest.mark.parametrize("q_lens,kv_lens", CASES)
@@ -53,6 +67,7 @@ def test_prefill_kernel_matches_dense_attention(
     )
     scale = head_dim**-0.5
     expected = dense_causal_attention(q, dk, dv, q_lens, kv_lens, scale).float()
+    poison_unowned_slots(kc, vc, meta.block_tables, kv_lens)
     # q as the engine passes it: a view of the fused QKV output (rows strided)
     wide = torch.randn(q.shape[0], (num_heads + 2 * num_kv_heads) * head_dim)
     wide[:, : num_heads * head_dim] = q.reshape(q.shape[0], -1)

@@ -16,9 +16,9 @@
 // (the causal work grows with the query position).
 //
 // Measured on an Intel Xeon (family 6, model 167), 2 threads, SmolLM2's shapes (9 heads, 3 KV
-// heads, head_dim 64), 4 prompts x 1,016 tokens per layer: 18.2 ms, against 23.5 for the same
+// heads, head_dim 64), 4 prompts x 1,016 tokens per layer: 18.0 ms, against 23.5 for the same
 // tiles untransposed on MKL's sgemm (a horizontal reduction per row for the maximum and sum)
-// and 24.9 for torch's SDPA. The GEMMs take ~75 % of it, the softmax ~14 %.
+// and 24.8 for torch's SDPA. The GEMMs take ~75 % of it, the softmax ~14 %.
 
 #include <ATen/Parallel.h>
 #include <ATen/native/CPUBlas.h>
@@ -36,18 +36,19 @@ namespace {
 
 constexpr int64_t kK = 128;  // keys per tile: a multiple of 16
 
-// Query rows per task and head: a multiple of 16 (the lanes), and enough that a task's tile
-// has 48-64 columns for the GEMMs (16 rows for 3-4 query heads per KV head, 64 for one).
-int64_t rows_per_task(int64_t group) { return 16 * std::max<int64_t>(1, 4 / group); }
+// Query rows per task and head, for `group` query heads per KV head: a multiple of 16 (the
+// lanes), and enough that a task's tile has at least 48 columns for the GEMMs (64 rows for
+// one query head per KV head, 32 for two, 16 for three and more: 16 x group columns).
+int64_t task_rows_for(int64_t group) { return 16 * std::max<int64_t>(1, 4 / group); }
 
 inline int64_t round16(int64_t x) { return (x + 15) / 16 * 16; }
 // The transposed values are stored one key tile at a time, [tiles][D][kVRow]: every GEMM
 // reads them with the same leading dimension, so oneDNN compiles its microkernels for a few
 // tile widths only (it keeps one per shape and leading dimension, per thread, for the life of
 // the process; a leading dimension that followed each sequence's length compiled new ones for
-// every prompt length). kVRow is 16 more than the tile, so that rows are not 2^k floats apart:
-// rows 4 KiB apart all mapped to the same L1 sets (measured: 5 % on the whole kernel).
-constexpr int64_t kVRow = kK + 16;
+// every prompt length). Rows kK floats long (512 bytes): padding them by 16 floats measured
+// the same (it was 5 % of the kernel when a row held a whole sequence, 4 KiB for 1,024 keys).
+constexpr int64_t kVRow = kK;
 
 inline int64_t key_tiles(int64_t kv_len) { return (kv_len + kK - 1) / kK; }
 
@@ -160,7 +161,7 @@ void paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
   const int32_t* qs = q_start.data_ptr<int32_t>();
   const int32_t* ql = q_lens.data_ptr<int32_t>();
   const int32_t* kl = kv_lens.data_ptr<int32_t>();
-  const int64_t task_rows = rows_per_task(group), m = group * task_rows;
+  const int64_t task_rows = task_rows_for(group), m = group * task_rows;
   std::vector<Task> tasks;
   for (int64_t s = 0; s < n; ++s) {
     TORCH_CHECK(ql[s] >= 1 && kl[s] >= ql[s] && (kl[s] + bs - 1) / bs <= max_blocks &&
@@ -195,8 +196,6 @@ void paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
   auto vbuf = at::empty({v_off.back()}, q.options());
   float* kg = kbuf.data_ptr<float>();
   float* vg = vbuf.data_ptr<float>();
-  // 16 positions at a time where a cache block holds them all
-  const bool whole16 = bs % 16 == 0 && dim % 16 == 0;
   at::parallel_for(0, n * kv_heads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t u = begin; u < end; ++u) {
       const int64_t s = u / kv_heads, h = u % kv_heads, len = kl[s];
@@ -206,20 +205,18 @@ void paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
       };
       float* keys = kg + k_off[u];
       float* values_t = vg + v_off[u];
-      auto value_col = [&](int64_t pos) {  // of position pos, row d = 0, in values_t
-        return values_t + (pos / kK) * dim * kVRow + pos % kK;
-      };
       for (int64_t pos = 0; pos < len; ++pos)
         std::copy(kc + offset(pos), kc + offset(pos) + dim, keys + pos * dim);
       std::fill(keys + len * dim, keys + round16(len) * dim, 0.f);
       const int64_t last = (key_tiles(len) - 1) * dim * kVRow;  // the last tile: zeros first
       std::fill(values_t + last, values_t + last + dim * kVRow, 0.f);
-      int64_t pos = 0;
-      for (; whole16 && pos + 16 <= len; pos += 16)  // within one tile (kK: a multiple of 16)
-        for (int64_t d0 = 0; d0 < dim; d0 += 16)
-          transpose16(vc + offset(pos) + d0, token_stride, value_col(pos) + d0 * kVRow, kVRow);
-      for (; pos < len; ++pos)
-        for (int64_t d = 0; d < dim; ++d) value_col(pos)[d * kVRow] = vc[offset(pos) + d];
+      // values: runs of positions inside one cache block and one tile, transposed
+      for (int64_t pos = 0; pos < len;) {
+        const int64_t run = std::min({bs - pos % bs, kK - pos % kK, len - pos});
+        float* dst = values_t + (pos / kK) * dim * kVRow + pos % kK;
+        transpose_block(vc + offset(pos), token_stride, dst, kVRow, run, dim);
+        pos += run;
+      }
     }
   });
   const int64_t num_tasks = static_cast<int64_t>(tasks.size());
@@ -237,18 +234,10 @@ void paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
       // Q^T: column g * task_rows + i = head kv_head * group + g, token q_start + row0 + i,
       // scaled; columns past the chunk's rows are zeros (computed, never written out)
       std::fill(qt.begin(), qt.end(), 0.f);
+      const int64_t row0 = qs[t.seq] + t.row0;  // the task's first row of q and out
       for (int64_t g = 0; g < group; ++g)
-        for (int64_t i0 = 0; i0 < t.rows; i0 += 16) {
-          const float* src = qp + (qs[t.seq] + t.row0 + i0) * q_row + (t.kv_head * group + g) * dim;
-          float* dst = qt.data() + g * task_rows + i0;
-          if (i0 + 16 <= t.rows && dim % 16 == 0) {
-            for (int64_t d0 = 0; d0 < dim; d0 += 16)
-              transpose16(src + d0, q_row, dst + d0 * m, m, fscale);
-            continue;
-          }
-          for (int64_t i = 0; i < std::min<int64_t>(16, t.rows - i0); ++i)
-            for (int64_t d = 0; d < dim; ++d) dst[d * m + i] = src[i * q_row + d] * fscale;
-        }
+        transpose_block(qp + row0 * q_row + (t.kv_head * group + g) * dim, q_row,
+                        qt.data() + g * task_rows, m, t.rows, dim, fscale);
       std::fill(ot.begin(), ot.end(), 0.f);
       std::fill(row_max.begin(), row_max.end(), -std::numeric_limits<float>::infinity());
       std::fill(row_sum.begin(), row_sum.end(), 0.f);
@@ -270,17 +259,9 @@ void paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
         }
       }
       for (int64_t g = 0; g < group; ++g)
-        for (int64_t i0 = 0; i0 < t.rows; i0 += 16) {
-          const float* src = ot.data() + g * task_rows + i0;
-          float* dst = op + ((qs[t.seq] + t.row0 + i0) * heads + t.kv_head * group + g) * dim;
-          if (i0 + 16 <= t.rows && dim % 16 == 0) {
-            for (int64_t d0 = 0; d0 < dim; d0 += 16)
-              transpose16(src + d0 * m, m, dst + d0, heads * dim);
-            continue;
-          }
-          for (int64_t i = 0; i < std::min<int64_t>(16, t.rows - i0); ++i)
-            for (int64_t d = 0; d < dim; ++d) dst[i * heads * dim + d] = src[d * m + i];
-        }
+        transpose_block(ot.data() + g * task_rows, m,
+                        op + (row0 * heads + t.kv_head * group + g) * dim, heads * dim, dim,
+                        t.rows);
     }
   }
 }

@@ -62,6 +62,19 @@ inline void transpose16(const float* src, int64_t src_ld, float* dst, int64_t ds
   for (int i = 0; i < 16; ++i) std::memcpy(dst + i * dst_ld, &r[i], sizeof(v16f));
 }
 
+// dst[j][i] = src[i][j] * scale for a rows x cols block: 16 x 16 register transposes where
+// both are whole, element by element for the rest.
+inline void transpose_block(const float* src, int64_t src_ld, float* dst, int64_t dst_ld,
+                            int64_t rows, int64_t cols, float scale = 1.f) {
+  const int64_t rows16 = rows / 16 * 16, cols16 = cols / 16 * 16;
+  for (int64_t i0 = 0; i0 < rows16; i0 += 16)
+    for (int64_t j0 = 0; j0 < cols16; j0 += 16)
+      transpose16(src + i0 * src_ld + j0, src_ld, dst + j0 * dst_ld + i0, dst_ld, scale);
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t j = i < rows16 ? cols16 : 0; j < cols; ++j)
+      dst[j * dst_ld + i] = src[i * src_ld + j] * scale;
+}
+
 // exp(x) once x is split as n ln2 + r: the degree-6 polynomial for exp(r), |r| <= ln2 / 2
 // (Cephes' coefficients), with r computed from x and n; a float, or a v16f (exp16 below).
 template <typename T>
@@ -78,7 +91,7 @@ inline T exp_poly(T x, T n) {
 // exp(x) written so that a `#pragma omp simd` loop vectorises it (std::exp is a scalar libm
 // call): x = n ln2 + r with |r| <= ln2 / 2, a degree-6 polynomial for exp(r) (Cephes'
 // coefficients), then 2^n put into the exponent bits. Within 2 ulp of std::exp over
-// [-87, 88]; 0 below -87.3 (as expf underflows), inf from 88.7 on.
+// [-87, 88]; 0 below -87.3 (as expf underflows), inf from 88.38 on (n = 128 overflows).
 // Vectorises only with -fno-trapping-math (cpu_ext.py's flags): GCC otherwise keeps the
 // clamps and the select as branches.
 #pragma omp declare simd notinbranch
@@ -99,12 +112,14 @@ inline v16f exp16(v16f x) {
 #if defined(__AVX512F__)
   // the same n, polynomial and result, in fewer instructions: vrndscaleps rounds n (to
   // nearest even, as the magic-number add does) and vscalefps multiplies by 2^n exactly; lanes
-  // at or below -87.3 (-inf included) are zeroed by the mask instead of clamped first (NaN
-  // stays NaN), and 88.38-88.72 give their finite value instead of inf
-  const __m512 xv = reinterpret_cast<__m512>(x);
+  // at or below -87.3 (-inf included) are zeroed by the mask instead of clamped first, and
+  // 88.38-88.72 give their finite value where the portable form overflows. x is capped at
+  // 88.73 (past log(FLT_MAX): +inf still gives inf, not inf - inf = NaN); vminps returns its
+  // second operand for a NaN, so NaN stays NaN
+  const __m512 xv = _mm512_min_ps(_mm512_set1_ps(88.73f), reinterpret_cast<__m512>(x));
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xv, _mm512_set1_ps(1.44269504088896341f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const v16f p = exp_poly(x, reinterpret_cast<v16f>(n));
+  const v16f p = exp_poly(reinterpret_cast<v16f>(xv), reinterpret_cast<v16f>(n));
   const __mmask16 above = _mm512_cmp_ps_mask(xv, reinterpret_cast<__m512>(lo), _CMP_NLE_UQ);
   return reinterpret_cast<v16f>(_mm512_maskz_scalef_ps(above, reinterpret_cast<__m512>(p), n));
 #else
