@@ -90,7 +90,7 @@ def file_backed_bytes(tensors: Iterable[torch.Tensor]) -> int:
         lines = Path("/proc/self/maps").read_text().splitlines()
     except OSError:
         return 0
-    starts, ends = [], []
+    starts, ends = [], []  # ascending: the kernel lists the mappings by address
     for line in lines:
         fields = line.split(maxsplit=5)
         # address range, perms, offset, device, inode, path: a file's inode is not 0
@@ -98,8 +98,6 @@ def file_backed_bytes(tensors: Iterable[torch.Tensor]) -> int:
             start, end = fields[0].split("-")
             starts.append(int(start, 16))
             ends.append(int(end, 16))
-    order = sorted(range(len(starts)), key=starts.__getitem__)
-    starts, ends = [starts[i] for i in order], [ends[i] for i in order]
     seen, total = set(), 0
     for t in tensors:
         if t.device.type != "cpu":

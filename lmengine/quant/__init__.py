@@ -18,9 +18,8 @@ def apply_quant_policy(model, engine_config):
     gguf_file = getattr(model, "lmengine_gguf_file", None)
     policy = engine_config.quant_policy
     if policy == "gguf" or (policy is None and gguf_blocks_by_default(model, gguf_file)):
-        from lmengine.quant.gguf import apply_gguf, check_engine_support
+        from lmengine.quant.gguf import apply_gguf
 
-        check_engine_support(engine_config, gguf_file)
         return apply_gguf(model, gguf_file, required=policy == "gguf")
     return apply_w8a8_policy(model, engine_config)
 

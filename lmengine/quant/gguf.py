@@ -79,10 +79,14 @@ def _blocks_for(name: str, module: PackedLinear, blocks: dict[str, GGUFWeight]):
     return None if any(p is None for p in parts) else parts
 
 
-def apply_gguf(model: nn.Module, gguf_file: str, required: bool = True) -> nn.Module:
+def apply_gguf(model: nn.Module, gguf_file: str | None, required: bool = True) -> nn.Module:
     """Replace the patched model's linears by GGUFLinears over `gguf_file`'s blocks. Not
     `required` (the default policy): a file whose blocks cannot be used (another architecture,
     no linear in a supported type) leaves the model on its float32 expansion."""
+    if gguf_file is None:  # only quant_policy='gguf' asks for blocks without a file
+        raise ValueError(
+            "quant_policy='gguf' needs a model loaded from a .gguf file (or the default model)"
+        )
     try:
         blocks = read_gguf_blocks(gguf_file)
     except ValueError as e:
@@ -123,11 +127,3 @@ def apply_gguf(model: nn.Module, gguf_file: str, required: bool = True) -> nn.Mo
     # the ModelAgent sizes the KV pool from the free memory next: without the float32 weights
     release_freed_memory(next(model.parameters()).device)
     return model
-
-
-def check_engine_support(engine_config, gguf_file: str | None) -> None:
-    """What quant_policy='gguf' needs, said at build."""
-    if gguf_file is None:
-        raise ValueError(
-            "quant_policy='gguf' needs a model loaded from a .gguf file (or the default model)"
-        )
