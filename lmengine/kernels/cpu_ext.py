@@ -34,6 +34,7 @@ _SOURCES = [
         "gguf_ops.cpp",
         "sgemm_packed_ops.cpp",
         "prefill_attention_ops.cpp",
+        "bf16_ops.cpp",
     )
 ]
 # included by the sources: part of the build's hash

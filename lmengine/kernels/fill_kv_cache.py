@@ -84,15 +84,20 @@ def rotary_fill_kv_cpu(
     bit-identical to `apply_rotary` then `fill_kv_cache`). q: [T, heads * head_dim], k, v:
     [T, kv_heads * head_dim], rows contiguous (column slices of a fused qkv output are fine);
     cos, sin: [T, head_dim]. Returns the rotated q [T, heads, head_dim], or None when the
-    fused path does not apply (not float32 CPU tensors, or no compiled kernels): then the
-    caller runs the two steps itself."""
-    if q.is_cuda or k_cache.dtype != torch.float32 or q.dtype != torch.float32:
+    fused path does not apply (not float32 or bfloat16 CPU tensors of one dtype, or no
+    compiled kernels): then the caller runs the two steps itself.
+
+    In bfloat16 (csrc/bf16_ops.cpp) each product and their sum are rounded to bfloat16 where
+    transformers' eager bfloat16 ops round them: bit-identical to the reference too."""
+    dtype = q.dtype
+    if q.is_cuda or dtype not in (torch.float32, torch.bfloat16):
         return None
-    if cos.dtype != torch.float32 or cos.shape[-1] != k_cache.shape[-1]:
+    if any(t.dtype != dtype for t in (k, v, cos, sin, k_cache, v_cache)):
         return None
     ext = cpu_ext.load()
-    if ext is None or not all(t.dim() == 2 and t.stride(-1) == 1 for t in (q, k, v)):
+    if ext is None or cos.shape[-1] != k_cache.shape[-1]:
         return None
-    return ext.rotary_fill_kv(
-        q, k, v, cos.contiguous(), sin.contiguous(), k_cache, v_cache, slot_mapping
-    )
+    if not all(t.dim() == 2 and t.stride(-1) == 1 for t in (q, k, v)):
+        return None
+    kernel = ext.rotary_fill_kv if dtype == torch.float32 else ext.rotary_fill_kv_bf16
+    return kernel(q, k, v, cos.contiguous(), sin.contiguous(), k_cache, v_cache, slot_mapping)

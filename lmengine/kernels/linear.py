@@ -19,8 +19,18 @@ a real forward (all of SmolLM2-135M's linears, best of interleaved runs):
   x86 CPUs: on an AMD EPYC (Zen 5, AVX-512) its GEMMs ran at 150-195 GFLOP/s against oneDNN's
   340-475 from 64 to 4,096 rows.
 Without the compiled kernels, Intel CPUs keep oneDNN's packs up to 1,023 rows and MKL unpacked
-above (where it beats oneDNN there). Elsewhere (CUDA, other dtypes, a torch without oneDNN)
-`linear` is `F.linear`, which is also the reference.
+above (where it beats oneDNN there).
+
+bfloat16 (the CPU's default where it has AMX or AVX512-BF16): 1-3 rows take the compiled GEMV
+on bfloat16 weights (csrc/bf16_ops.cpp, AVX512-BF16 dot products), from 4 rows oneDNN on its
+packed bfloat16 weight, which it runs on AMX tiles. Measured on the Intel Xeon (family 6, model
+167, AMX), 2026-11-26, SmolLM2's shapes, ms: one row of the 960 x 576 q/k/v GEMV 0.014 against
+0.045 for oneDNN packed and 0.024 for the float32 GEMV; 64 rows of gate/up (3,072 x 576) 0.25
+against 0.87 in float32 (~900 GFLOP/s); 256 rows of q/k/v at ~2,200 GFLOP/s. At 4-8 rows the
+GEMV becomes compute-bound (~120-150 GFLOP/s) and oneDNN's tiles win.
+
+Elsewhere (CUDA, other dtypes, a torch without oneDNN) `linear` is `F.linear`, which is also the
+reference.
 """
 
 from __future__ import annotations
@@ -40,12 +50,15 @@ _PACK_BATCH_HINT = 64  # oneDNN picks the packed layout for this many rows
 _MKL_PACK_ROWS = 512
 _MAX_GEMV_ROWS = 8  # up to this many rows the compiled weight-streaming GEMV is fastest
 _MAX_ROWS_FOR_ONEDNN = 1023  # from ~1k rows (large prefills) MKL unpacked beats oneDNN on Intel
+# bfloat16: the compiled GEMV streams the weights faster than oneDNN's AMX kernels up to 3 rows
+# (1.3-3x at one row on SmolLM2's shapes); from 4 rows AMX's tiles win
+_MAX_BF16_GEMV_ROWS = 3
 
 
 def can_pack(weight: torch.Tensor) -> bool:
     return (
         weight.device.type == "cpu"
-        and weight.dtype == torch.float32
+        and weight.dtype in (torch.float32, torch.bfloat16)
         and weight.dim() == 2
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
@@ -54,10 +67,13 @@ def can_pack(weight: torch.Tensor) -> bool:
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
     """A packed copy of `weight` [out, in] for `linear`, or None where packing does not apply:
-    MKL's packed layout (a uint8 buffer) on Intel CPUs, oneDNN's elsewhere."""
+    MKL's packed layout (a uint8 buffer) on Intel CPUs, oneDNN's elsewhere; for bfloat16
+    always oneDNN's (its AMX or AVX512-BF16 kernels read it)."""
     if not can_pack(weight):
         return None
     weight = weight.detach().contiguous()
+    if weight.dtype == torch.bfloat16:
+        return torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_BATCH_HINT)
     mkl = _mkl_packed_kernels()
     if mkl is not None:
         return mkl.sgemm_pack(weight, _MKL_PACK_ROWS)
@@ -76,6 +92,8 @@ def linear(
     rows = x.shape[0]
     if packed is None or rows == 0:  # 0 rows: a chunk's lm_head
         return F.linear(x, weight, bias)
+    if weight.dtype == torch.bfloat16:
+        return _linear_bf16(x, weight, bias, packed)
     if rows <= _MAX_GEMV_ROWS:
         gemv = _gemv_kernel()
         if gemv is not None and x.shape[1] % 16 == 0 and weight.is_contiguous():
@@ -84,6 +102,18 @@ def linear(
         return cpu_ext.load().sgemm_packed_linear(x.contiguous(), packed, weight, bias)
     if mkl_is_fast() and (rows == 1 or rows > _MAX_ROWS_FOR_ONEDNN):
         return F.linear(x, weight, bias)  # MKL beats oneDNN here (its GEMV at one row)
+    return _onednn(x, packed, bias)
+
+
+def _linear_bf16(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor
+) -> torch.Tensor:
+    """bfloat16: the compiled weight-streaming GEMV for a few rows (AVX512-BF16 dot products,
+    half the bytes of float32), oneDNN on its packed weight (AMX tiles) above."""
+    if x.shape[0] <= _MAX_BF16_GEMV_ROWS and x.shape[1] % 32 == 0 and x.dtype == torch.bfloat16:
+        module = cpu_ext.load()
+        if module is not None and module.bf16_gemv_available() and weight.is_contiguous():
+            return module.bf16_gemv(x.contiguous(), weight, bias)
     return _onednn(x, packed, bias)
 
 

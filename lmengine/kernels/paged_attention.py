@@ -13,6 +13,11 @@ GQA is handled by grouping query heads per KV head, never by repeating the cache
 block tables and the CPU gather plans come from `AttentionMetadata`, built once per step
 (lmengine.kernels.attention_metadata).
 
+A bfloat16 cache (a bfloat16 model) goes through the same compiled decode kernel, which widens
+each block's rows to float32 as it reads them (the query is widened first, the output rounded
+back); its prompt chunks go to the bfloat16 form of the compiled prefill kernel (its GEMMs on
+the CPU's matrix units) where the CPU has them, else to the gather + SDPA path in bfloat16.
+
 An int8 cache (k_cache.dtype == torch.int8) comes with `k_scale` / `v_scale`,
 [num_blocks, block_size, num_kv_heads] float32 (lmengine.kernels.kv_quant): the CPU path
 dequantizes the blocks it gathers, the compiled decode kernel and the Triton kernel dequantize
@@ -24,7 +29,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from lmengine.kernels import cpu_ext
+from lmengine.kernels import cpu_ext, cpu_features
 from lmengine.kernels.attention_metadata import AttentionMetadata
 from lmengine.kernels.kv_quant import dequantize_kv, dequantize_kv_ref
 
@@ -107,31 +112,32 @@ def paged_attention_cpu(
     group_size = num_heads // num_kv_heads
     out = None
     quantized = k_scale is not None
-    kernel = None
-    if q.dtype == torch.float32:
-        kernel = _decode_kernel_int8() if quantized else _decode_kernel()
+    kernel = _decode_kernel_for(q.dtype, k_cache.dtype)
+    widen = q.dtype != torch.float32  # the compiled kernels take float32 queries
     # the compiled prefill kernel is looked up only for a group of prompt chunks: a decode step
     # never asks for it
-    may_prefill = q.dtype == torch.float32 and not quantized
+    may_prefill = q.dtype in (torch.float32, torch.bfloat16) and k_cache.dtype == q.dtype
     may_prefill = may_prefill and sliding_window is None and softcap is None
     for plan in meta.groups:
         n, max_q = plan.q_index.shape
         if kernel is not None and plan.decode_tables is not None:
             qd = q if plan.is_identity else q[plan.q_index[:, 0]]  # [n, heads, d]
+            qd = qd.float() if widen else qd.contiguous()
             tables, kv_lens = plan.decode_tables, plan.decode_kv_lens
             window, cap = sliding_window or 0, softcap or 0.0  # 0: none
-            if quantized:
-                caches = (k_cache, v_cache, k_scale, v_scale)
-                res = kernel(qd.contiguous(), *caches, tables, kv_lens, scale, window, cap)
-            else:
-                res = kernel(qd.contiguous(), k_cache, v_cache, tables, kv_lens, scale, window, cap)
+            caches = (k_cache, v_cache, k_scale, v_scale) if quantized else (k_cache, v_cache)
+            res = kernel(qd, *caches, tables, kv_lens, scale, window, cap)
+            if widen:
+                res = res.to(q.dtype)
             if plan.is_identity:
                 return res
             if out is None:
                 out = torch.empty_like(q)
             out[plan.out_tokens] = res
             continue
-        prefill = _prefill_kernel() if may_prefill and plan.prefill_args is not None else None
+        prefill = None
+        if may_prefill and plan.prefill_args is not None:
+            prefill = _prefill_kernel(q.dtype)
         if prefill is not None:
             if out is None:
                 out = torch.empty_like(q, memory_format=torch.contiguous_format)
@@ -177,27 +183,34 @@ def paged_attention_cpu(
     return out
 
 
-def _decode_kernel():
-    """The compiled gather-free decode kernel, or None (then decodes use the SDPA path)."""
+def _decode_kernel_for(q_dtype: torch.dtype, cache_dtype: torch.dtype):
+    """The compiled gather-free decode kernel for these dtypes, or None (then decodes use the
+    SDPA path). Each computes in float32: a bfloat16 query is widened first and the result
+    rounded back; a bfloat16 or int8 cache is widened block by block as it is read."""
     module = cpu_ext.load()
-    return None if module is None else module.paged_decode_attention
+    if module is None or q_dtype not in (torch.float32, torch.bfloat16):
+        return None
+    if cache_dtype == torch.int8:
+        return module.paged_decode_attention_int8
+    if cache_dtype == q_dtype:
+        if q_dtype == torch.float32:
+            return module.paged_decode_attention
+        return module.paged_decode_attention_bf16
+    return None
 
 
-def _prefill_kernel():
+def _prefill_kernel(dtype: torch.dtype):
     """The compiled prefill kernel (causal prompt chunks, reading the cache in place), or None
     (then prompts use the gather + SDPA path). It runs on oneDNN's GEMM microkernel, which is
     compiled for the CPU's ISA on Intel and AMD alike; the module offers it where it was built
-    for AVX-512 (its 16-float vector code is slow in an AVX2 build)."""
+    for AVX-512 (its 16-float vector code is slow in an AVX2 build). Its bfloat16 form runs
+    its GEMMs on the matrix units, so it is taken only where the CPU has them."""
     module = cpu_ext.load()
     if module is None or not module.prefill_attention_available():
         return None
-    return module.paged_prefill_attention
-
-
-def _decode_kernel_int8():
-    """Its int8-cache variant (dequantizes block by block as it reads), or None."""
-    module = cpu_ext.load()
-    return None if module is None else getattr(module, "paged_decode_attention_int8", None)
+    if dtype == torch.float32:
+        return module.paged_prefill_attention
+    return module.paged_prefill_attention_bf16 if cpu_features.has_bf16_units() else None
 
 
 def paged_attention(

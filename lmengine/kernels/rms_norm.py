@@ -35,8 +35,11 @@ def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
 def compiled_norm_takes(
     x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None
 ) -> bool:
+    """float32 or bfloat16 contiguous tensors, all of one dtype."""
     tensors = (x, weight) if residual is None else (x, weight, residual)
-    return all(t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
+    return x.dtype in (torch.float32, torch.bfloat16) and all(
+        t.dtype == x.dtype and t.is_contiguous() for t in tensors
+    )
 
 
 def rms_norm_cpu(
@@ -48,10 +51,12 @@ def rms_norm_cpu(
     sum of squares is reduced in another order) instead of the residual add plus torch's
     RMSNorm, which runs as ~8 eager ops. Without the compiled kernels torch's fused RMSNorm,
     bit-identical to the reference in float32; other dtypes cast in a different order, so
-    they keep the reference."""
+    they keep the reference. bfloat16 has its own compiled pass (csrc/bf16_ops.cpp), which
+    rounds where the reference rounds (the residual sum, the normalised row, the product)."""
     ops = cpu_ext.load() if compiled_norm_takes(x, weight, residual) else None
     if ops is not None:
-        return ops.rms_norm(x, weight, eps, residual)
+        norm = ops.rms_norm if x.dtype == torch.float32 else ops.bf16_rms_norm
+        return norm(x, weight, eps, residual)
     summed = None if residual is None else residual + x
     src = x if summed is None else summed
     if src.dtype == torch.float32 and weight.dtype == torch.float32:

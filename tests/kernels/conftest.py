@@ -54,3 +54,24 @@ def cpu_path(request, monkeypatch):
     else:
         monkeypatch.setattr(cpu_ext, "load", lambda: None)
     return request.param
+
+
+@pytest.fixture(scope="session")
+def ext():
+    """The compiled CPU kernels. NOTE: a missing compiler is a broken install here (setup.sh
+    builds the kernels), not a reason to skip: the engine's speed depends on them."""
+    module = cpu_ext.load()
+    assert module is not None, "the CPU kernels failed to build (see the warning above)"
+    return module
+
+
+@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
+def threads(request):
+    """Kernels split their work differently with one thread and with several: run both,
+    whatever the machine's core count."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)

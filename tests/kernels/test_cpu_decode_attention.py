@@ -10,25 +10,6 @@ from lmengine.kernels.paged_attention import paged_attention_cpu, paged_attentio
 from tests.kernels.helpers import dense_causal_attention, make_paged_batch
 
 
-@pytest.fixture(scope="module")
-def ext():
-    module = cpu_ext.load()
-    # NOTE: a missing compiler is a broken install here (setup.sh builds the kernels), not
-    # a reason to skip: the engine's decode speed depends on this kernel.
-    assert module is not None, "the CPU kernels failed to build (see the warning above)"
-    return module
-
-
-@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
-def threads(request):
-    """The kernel splits its work by KV head when there are few sequences for the threads and
-    by sequence otherwise: run both splits whatever the machine's core count."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
-
-
 @pytest.mark.parametrize("kv_lens", [[1], [5, 17, 32], [16, 1, 47, 64, 3]])
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize(

@@ -6,26 +6,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lmengine.kernels import cpu_ext
+from lmengine.kernels import cpu_features
 from lmengine.kernels.paged_attention import paged_attention_cpu
 from tests.kernels.helpers import dense_causal_attention, make_paged_batch
 
+BF16 = torch.bfloat16
+
 
 @pytest.fixture(scope="module")
-def ext():
-    module = cpu_ext.load()
-    assert module is not None, "the CPU kernels failed to build (see the warning above)"
-    if not module.prefill_attention_available():
+def ext(ext):
+    """The kernels, where the prefill kernel is offered."""
+    if not ext.prefill_attention_available():
         pytest.skip("not offered here: a torch without oneDNN, or a build without AVX-512")
-    return module
-
-
-@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
-def threads(request):
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
+    return ext
 
 
 # (q_lens, kv_lens): whole prompts, prompts longer than a task's 16-64 rows and a tile's 128
@@ -115,3 +108,89 @@ def test_prefill_kernel_rejects_bad_input(ext):
         ext.paged_prefill_attention(q, kc, vc, *args, 1.0, out[:3])
     with pytest.raises(RuntimeError, match="heads % kv_heads"):
         ext.paged_prefill_attention(q[:, :3], kc, vc, *args, 1.0, out[:, :3].contiguous())
+
+
+@pytest.fixture(scope="module")
+def bf16_ext(ext):
+    if not cpu_features.has_bf16_units():
+        pytest.skip("the bfloat16 prefill kernel runs on AMX / AVX512-BF16, which this CPU lacks")
+    return ext
+
+
+@pytest.mark.parametrize("q_lens,kv_lens", CASES)
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize(
+    "heads,head_dim", [((9, 3), 64), ((8, 1), 32), ((4, 2), 128), ((6, 2), 40)]
+)
+def test_bf16_prefill_kernel_matches_dense_attention(
+    bf16_ext, q_lens, kv_lens, block_size, heads, head_dim, threads
+):
+    """bfloat16 GEMMs on the matrix units, float32 softmax: against float64 attention of the
+    same bfloat16 inputs, within bfloat16's rounding of the probabilities and the output."""
+    num_heads, num_kv_heads = heads
+    q, kc, vc, meta, dk, dv = make_paged_batch(
+        q_lens, kv_lens, num_heads, num_kv_heads, head_dim, block_size, BF16, seed=sum(q_lens)
+    )
+    scale = head_dim**-0.5
+    expected = dense_causal_attention(q, dk, dv, q_lens, kv_lens, scale)  # float64
+    poison_unowned_slots(kc, vc, meta.block_tables, kv_lens)
+    wide = torch.randn(q.shape[0], (num_heads + 2 * num_kv_heads) * head_dim).to(BF16)
+    wide[:, : num_heads * head_dim] = q.reshape(q.shape[0], -1)
+    q_view = wide[:, : num_heads * head_dim].view(q.shape)
+    out = torch.full_like(q, float("nan"))
+    tables = meta.block_tables.contiguous()
+    bf16_ext.paged_prefill_attention_bf16(
+        q_view, kc, vc, tables, meta.q_start_loc, meta.q_lens, meta.kv_lens, scale, out
+    )
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.double(), expected, rtol=2**-6, atol=2e-2)
+    # the float32 kernel on the same values, as a second opinion
+    out32 = torch.empty(q.shape)
+    bf16_ext.paged_prefill_attention(
+        q.float(),
+        kc.float().nan_to_num(),
+        vc.float().nan_to_num(),
+        tables,
+        meta.q_start_loc,
+        meta.q_lens,
+        meta.kv_lens,
+        scale,
+        out32,
+    )
+    torch.testing.assert_close(out.float(), out32, rtol=2**-6, atol=2e-2)
+
+
+def test_bf16_cpu_path_takes_it_only_with_the_units(bf16_ext, monkeypatch):
+    q_lens, kv_lens = [1, 40, 1, 7], [30, 90, 2, 7]
+    q, kc, vc, meta, dk, dv = make_paged_batch(q_lens, kv_lens, 6, 2, 32, 4, BF16, seed=3)
+    scale = 32**-0.5
+    expected = dense_causal_attention(q, dk, dv, q_lens, kv_lens, scale)
+    calls = []
+    real = bf16_ext.paged_prefill_attention_bf16
+
+    def spy(*args):
+        calls.append(args[4].numel())
+        return real(*args)
+
+    monkeypatch.setattr(bf16_ext, "paged_prefill_attention_bf16", spy)
+    out = paged_attention_cpu(q, kc, vc, meta, scale)
+    torch.testing.assert_close(out.double(), expected, rtol=2**-6, atol=2e-2)
+    assert calls == [1, 1]
+    calls.clear()
+    # a CPU without bfloat16 units (the probe mocked): the gather + SDPA path, same result
+    monkeypatch.setattr(cpu_features, "cpu_flags", lambda: frozenset({"avx512f"}))
+    out = paged_attention_cpu(q, kc, vc, meta, scale)
+    torch.testing.assert_close(out.double(), expected, rtol=2**-6, atol=2e-2)
+    assert calls == []
+
+
+def test_bf16_prefill_kernel_rejects_bad_input(bf16_ext):
+    q, kc, vc, meta, *_ = make_paged_batch([6], [6], 4, 2, 16, 4, BF16)
+    args = (meta.block_tables.contiguous(), meta.q_start_loc, meta.q_lens, meta.kv_lens)
+    out = torch.empty_like(q)
+    with pytest.raises(RuntimeError, match="q must be bfloat16"):
+        bf16_ext.paged_prefill_attention_bf16(q.float(), kc, vc, *args, 1.0, out)
+    with pytest.raises(RuntimeError, match="caches must be"):
+        bf16_ext.paged_prefill_attention_bf16(q, kc.float(), vc.float(), *args, 1.0, out)
+    with pytest.raises(RuntimeError, match="out must be"):
+        bf16_ext.paged_prefill_attention_bf16(q, kc, vc, *args, 1.0, out.float())

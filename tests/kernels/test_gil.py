@@ -8,19 +8,11 @@ import threading
 import time
 from pathlib import Path
 
-import pytest
 import torch
 
 from lmengine.kernels import cpu_ext
 
 CSRC = Path(cpu_ext.__file__).resolve().parent / "csrc"
-
-
-@pytest.fixture(scope="module")
-def ext():
-    module = cpu_ext.load()
-    assert module is not None, "the CPU kernels failed to build (see the warning above)"
-    return module
 
 
 def test_every_binding_releases_the_gil():

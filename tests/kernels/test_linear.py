@@ -8,16 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lmengine.kernels import cpu_ext
 from lmengine.kernels import linear as linear_module
 from lmengine.kernels.linear import linear, pack_weight
-
-
-@pytest.fixture(scope="module")
-def ext():
-    module = cpu_ext.load()
-    assert module is not None, "the CPU kernels failed to build (see the warning above)"
-    return module
 
 
 @pytest.mark.parametrize("rows", [0, 1, 2, 5, 8, 9, 64, 1100])

@@ -230,11 +230,12 @@ inline void attend_block(const float* q_group, const float* k_block, const float
   }
 }
 
-// The decode loop, for a float32 cache (Cache = float, no scales) or an int8 cache (Cache =
-// int8_t, one float32 scale per (slot, KV head) in k_scale / v_scale). The int8 variant
-// dequantizes each block's K and V rows of one KV head once into a small float buffer (it stays
-// in L1) and then runs the float32 loop on it, so the GQA group's query heads share the
-// conversion; the float32 variant reads the cache directly.
+// The decode loop, for a float32 cache (Cache = float, no scales), an int8 cache (Cache =
+// int8_t, one float32 scale per (slot, KV head) in k_scale / v_scale) or a bfloat16 cache
+// (Cache = at::BFloat16, no scales). The int8 and bfloat16 variants convert each block's K and V
+// rows of one KV head once into a small float buffer (it stays in L1) and then run the float32
+// loop on it, so the GQA group's query heads share the conversion; the float32 variant reads
+// the cache directly.
 template <typename Cache, int64_t kDim>
 void decode_loop(const float* q_ptr, const Cache* k_ptr, const Cache* v_ptr, const float* ks_ptr,
                  const float* vs_ptr, const int32_t* table_ptr, const int32_t* len_ptr,
@@ -242,6 +243,7 @@ void decode_loop(const float* q_ptr, const Cache* k_ptr, const Cache* v_ptr, con
                  int64_t head_dim, int64_t block_size, int64_t max_blocks, float fscale,
                  float fcap, int64_t sliding_window) {
   constexpr bool kQuant = std::is_same<Cache, int8_t>::value;
+  constexpr bool kConvert = !std::is_same<Cache, float>::value;  // through the float buffers
   const int64_t group = num_heads / num_kv_heads;
   const int64_t token_stride = num_kv_heads * head_dim;  // between tokens of one block
   // A task serves all KV heads of a sequence when there are sequences enough for the threads:
@@ -254,8 +256,8 @@ void decode_loop(const float* q_ptr, const Cache* k_ptr, const Cache* v_ptr, con
     std::vector<float> scores(group * block_size);
     std::vector<float> acc(job_heads * head_dim);
     std::vector<float> run_max(job_heads), run_sum(job_heads);
-    std::vector<float> k_buf(kQuant ? block_size * head_dim : 0);
-    std::vector<float> v_buf(kQuant ? block_size * head_dim : 0);
+    std::vector<float> k_buf(kConvert ? block_size * head_dim : 0);
+    std::vector<float> v_buf(kConvert ? block_size * head_dim : 0);
     // keys first_key(seq) .. kv_len - 1 are visible
     auto first_key_of = [&](int64_t seq) {
       return sliding_window > 0 ? std::max<int64_t>(0, len_ptr[seq] - sliding_window) : int64_t{0};
@@ -297,19 +299,31 @@ void decode_loop(const float* q_ptr, const Cache* k_ptr, const Cache* v_ptr, con
           const float* k_block;
           const float* v_block;
           int64_t stride;  // between the keys of k_block / v_block
-          if constexpr (kQuant) {
+          if constexpr (kConvert) {
             for (int64_t t = 0; t < num_keys; ++t) {
               next.prefetch(t);
               const int64_t r = row + t * num_kv_heads;  // (slot, KV head) row
-              const int8_t* kt = k_ptr + r * head_dim;
-              const int8_t* vt = v_ptr + r * head_dim;
-              const float ks = ks_ptr[r], vs = vs_ptr[r];
+              const Cache* kt = k_ptr + r * head_dim;
+              const Cache* vt = v_ptr + r * head_dim;
               float* kd = k_buf.data() + t * head_dim;
               float* vd = v_buf.data() + t * head_dim;
+              if constexpr (kQuant) {
+                const float ks = ks_ptr[r], vs = vs_ptr[r];
 #pragma omp simd
-              for (int64_t i = 0; i < head_dim; ++i) {
-                kd[i] = static_cast<float>(kt[i]) * ks;
-                vd[i] = static_cast<float>(vt[i]) * vs;
+                for (int64_t i = 0; i < head_dim; ++i) {
+                  kd[i] = static_cast<float>(kt[i]) * ks;
+                  vd[i] = static_cast<float>(vt[i]) * vs;
+                }
+              } else {  // bfloat16: the high half of a float32
+                const uint16_t* kh = reinterpret_cast<const uint16_t*>(kt);
+                const uint16_t* vh = reinterpret_cast<const uint16_t*>(vt);
+#pragma omp simd
+                for (int64_t i = 0; i < head_dim; ++i) {
+                  const uint32_t kb = static_cast<uint32_t>(kh[i]) << 16;
+                  const uint32_t vb = static_cast<uint32_t>(vh[i]) << 16;
+                  std::memcpy(kd + i, &kb, sizeof(float));
+                  std::memcpy(vd + i, &vb, sizeof(float));
+                }
               }
             }
             for (int64_t t = num_keys; t < next.num_keys; ++t) next.prefetch(t);
@@ -425,6 +439,28 @@ at::Tensor paged_decode_attention_int8(const at::Tensor& q, const at::Tensor& k_
   return out;
 }
 
+// The same over a bfloat16 cache (the model's bfloat16 forward): k/v_cache bfloat16, q float32;
+// the keys and values are widened to float32 as they are read, so scores, softmax and the
+// weighted sum are float32 throughout.
+at::Tensor paged_decode_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache,
+                                       const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                       const at::Tensor& kv_lens, double scale,
+                                       int64_t sliding_window, double softcap) {
+  for (const at::Tensor* t : {&k_cache, &v_cache}) {
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kBFloat16 && t->is_contiguous(),
+                "k_cache and v_cache must be contiguous bfloat16 CPU tensors");
+  }
+  check_decode_inputs(q, k_cache, v_cache, block_tables, kv_lens, sliding_window, softcap);
+  auto out = at::empty_like(q);
+  decode_dispatch<at::BFloat16>(
+      q.data_ptr<float>(), k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(),
+      nullptr, nullptr, block_tables.data_ptr<int32_t>(), kv_lens.data_ptr<int32_t>(),
+      out.data_ptr<float>(), q.size(0), q.size(1), k_cache.size(2), q.size(2), k_cache.size(1),
+      block_tables.size(1), static_cast<float>(scale), static_cast<float>(softcap),
+      sliding_window);
+  return out;
+}
+
 // Index of the largest value of every row of x [M, N] float32 -> [M] int64: the first
 // maximum, or the first NaN of a row that has one (torch.argmax's answer, ~10x faster here:
 // a vectorised max, then a scan for its first occurrence while the row is still in cache).
@@ -520,6 +556,7 @@ void register_layer_ops(py::module& m);  // layer_ops.cpp
 void register_gguf_ops(py::module& m);  // gguf_ops.cpp
 void register_sgemm_packed_ops(py::module& m);  // sgemm_packed_ops.cpp
 void register_prefill_attention_ops(py::module& m);  // prefill_attention_ops.cpp
+void register_bf16_ops(py::module& m);  // bf16_ops.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_w8a8_ops(m);
@@ -530,6 +567,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_gguf_ops(m);
   register_sgemm_packed_ops(m);
   register_prefill_attention_ops(m);
+  register_bf16_ops(m);
   m.def("argmax_rows", &argmax_rows, release_gil(),
         "first index of each row's maximum (float32 [M, N])",
         py::arg("x"));
@@ -545,4 +583,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("k_cache"), py::arg("v_cache"), py::arg("k_scale"), py::arg("v_scale"),
         py::arg("block_tables"), py::arg("kv_lens"), py::arg("scale"),
         py::arg("sliding_window") = 0, py::arg("softcap") = 0.0);
+  m.def("paged_decode_attention_bf16", &paged_decode_attention_bf16, release_gil(),
+        "decode attention over the paged bfloat16 KV cache (float32 queries, CPU)", py::arg("q"),
+        py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("kv_lens"),
+        py::arg("scale"), py::arg("sliding_window") = 0, py::arg("softcap") = 0.0);
 }

@@ -26,6 +26,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -56,6 +57,42 @@ struct Task {
   int64_t seq, kv_head, row0, rows, cost;
 };
 
+// What both kernels share: the tasks (sequence, KV head, block of query rows) largest first,
+// after checking every sequence against its table and q, and the offsets of each (sequence, KV
+// head)'s keys [round16(kv_len), D] and transposed value tiles [tiles, D, kVRow] in their
+// buffers.
+struct Plan {
+  std::vector<Task> tasks;
+  std::vector<int64_t> k_off, v_off;
+};
+
+Plan plan_tasks(const char* op, const int32_t* qs, const int32_t* ql, const int32_t* kl,
+                int64_t n, int64_t bs, int64_t max_blocks, int64_t q_rows, int64_t kv_heads,
+                int64_t task_rows, int64_t dim) {
+  Plan plan;
+  for (int64_t s = 0; s < n; ++s) {
+    TORCH_CHECK(ql[s] >= 1 && kl[s] >= ql[s] && (kl[s] + bs - 1) / bs <= max_blocks &&
+                    qs[s] >= 0 && qs[s] + ql[s] <= q_rows,
+                op, ": sequence ", s, " does not fit its tables or q");
+    for (int64_t r = 0; r < ql[s]; r += task_rows) {
+      const int64_t rows = std::min<int64_t>(task_rows, ql[s] - r);
+      const int64_t cost = kl[s] - ql[s] + r + rows;  // keys it reads
+      for (int64_t h = 0; h < kv_heads; ++h) plan.tasks.push_back({s, h, r, rows, cost});
+    }
+  }
+  std::stable_sort(plan.tasks.begin(), plan.tasks.end(),
+                   [](const Task& a, const Task& b) { return a.cost > b.cost; });
+  plan.k_off.assign(n * kv_heads + 1, 0);
+  plan.v_off.assign(n * kv_heads + 1, 0);
+  for (int64_t s = 0; s < n; ++s)
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      const int64_t u = s * kv_heads + h;
+      plan.k_off[u + 1] = plan.k_off[u] + round16(kl[s]) * dim;
+      plan.v_off[u + 1] = plan.v_off[u] + key_tiles(kl[s]) * dim * kVRow;
+    }
+  return plan;
+}
+
 void check_cache(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous() &&
                   t.dim() == 4,
@@ -77,8 +114,12 @@ void gemm(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const fl
 // keys past each column's position are masked (-inf) where the tile reaches them, the running
 // maxima and sums per column move on, o [D, M] is rescaled, and s becomes the probabilities.
 // Column c is query row (c % rows) of its head, at position first_pos + c % rows.
+// kScaled: the scores are multiplied by `scale` first (the bfloat16 kernel scales scores, not
+// its bfloat16 queries, so that the scale adds no rounding).
+template <bool kScaled = false>
 void softmax_tile(float* s, int64_t kn16, int64_t m, int64_t rows, int64_t first_pos,
-                  int64_t k0, float* row_max, float* row_sum, float* o, int64_t dim) {
+                  int64_t k0, float* row_max, float* row_sum, float* o, int64_t dim,
+                  float scale = 1.f) {
   const v16f iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   const v16f neg_inf = v16f{} - std::numeric_limits<float>::infinity();
   for (int64_t c = 0; c < m; c += 16) {
@@ -91,6 +132,7 @@ void softmax_tile(float* s, int64_t kn16, int64_t m, int64_t rows, int64_t first
     for (int64_t j = 0; j < kn16; j += 4)
       for (int u = 0; u < 4; ++u) {
         v16f* v = reinterpret_cast<v16f*>(s + (j + u) * m + c);
+        if constexpr (kScaled) *v = *v * scale;
         if (reaches_limit) *v = static_cast<float>(k0 + j + u) > pos ? neg_inf : *v;
         mx4[u] = *v > mx4[u] ? *v : mx4[u];
       }
@@ -162,19 +204,11 @@ void paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
   const int32_t* ql = q_lens.data_ptr<int32_t>();
   const int32_t* kl = kv_lens.data_ptr<int32_t>();
   const int64_t task_rows = task_rows_for(group), m = group * task_rows;
-  std::vector<Task> tasks;
-  for (int64_t s = 0; s < n; ++s) {
-    TORCH_CHECK(ql[s] >= 1 && kl[s] >= ql[s] && (kl[s] + bs - 1) / bs <= max_blocks &&
-                    qs[s] >= 0 && qs[s] + ql[s] <= q.size(0),
-                "paged_prefill_attention: sequence ", s, " does not fit its tables or q");
-    for (int64_t r = 0; r < ql[s]; r += task_rows) {
-      const int64_t rows = std::min<int64_t>(task_rows, ql[s] - r);
-      const int64_t cost = kl[s] - ql[s] + r + rows;  // keys it reads
-      for (int64_t h = 0; h < kv_heads; ++h) tasks.push_back({s, h, r, rows, cost});
-    }
-  }
-  std::stable_sort(tasks.begin(), tasks.end(),
-                   [](const Task& a, const Task& b) { return a.cost > b.cost; });
+  const Plan plan = plan_tasks("paged_prefill_attention", qs, ql, kl, n, bs, max_blocks,
+                               q.size(0), kv_heads, task_rows, dim);
+  const std::vector<Task>& tasks = plan.tasks;
+  const std::vector<int64_t>& k_off = plan.k_off;
+  const std::vector<int64_t>& v_off = plan.v_off;
   const float* qp = q.data_ptr<float>();
   const float* kc = k_cache.data_ptr<float>();
   const float* vc = v_cache.data_ptr<float>();
@@ -185,13 +219,6 @@ void paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
   const float fscale = static_cast<float>(scale);
   // per (sequence, KV head): keys [kv_len rounded up to 16, D] (a tile's scores are computed
   // 16 keys at a time) and values transposed in tiles [tiles, D, kVRow], zeros past kv_len
-  std::vector<int64_t> k_off(n * kv_heads + 1, 0), v_off(n * kv_heads + 1, 0);
-  for (int64_t s = 0; s < n; ++s)
-    for (int64_t h = 0; h < kv_heads; ++h) {
-      const int64_t u = s * kv_heads + h;
-      k_off[u + 1] = k_off[u] + round16(kl[s]) * dim;
-      v_off[u + 1] = v_off[u] + key_tiles(kl[s]) * dim * kVRow;
-    }
   auto kbuf = at::empty({k_off.back()}, q.options());
   auto vbuf = at::empty({v_off.back()}, q.options());
   float* kg = kbuf.data_ptr<float>();
@@ -266,7 +293,192 @@ void paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
   }
 }
 
+namespace {
+
+using bf16 = at::BFloat16;
+
+inline uint16_t bits_of(bf16 x) {
+  uint16_t b;
+  std::memcpy(&b, &x, sizeof(b));
+  return b;
+}
+
+// float32 -> bfloat16, round to nearest even (NaN kept quiet)
+inline uint16_t round_to_bf16(float f) {
+  uint32_t b;
+  std::memcpy(&b, &f, sizeof(b));
+  if (f != f) return static_cast<uint16_t>((b >> 16) | 0x40u);
+  return static_cast<uint16_t>((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
+}
+
+// P^T in the VNNI layout bfloat16 GEMMs read their B in: s [kn16, m] float32 (kn16 even) ->
+// p [kn16 / 2][m][2] bfloat16, p[j / 2][c][j % 2] = s[j][c].
+inline void to_vnni_pairs(const float* s, int64_t kn16, int64_t m, uint16_t* p) {
+#if defined(__AVX512BF16__)
+  // 16 columns of two key rows: one conversion of 32 floats, then one permute interleaves them
+  const __m512i interleave = _mm512_set_epi16(
+      31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+      23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  for (int64_t j = 0; j < kn16; j += 2)
+    for (int64_t c = 0; c < m; c += 16) {
+      const __m512bh both = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(s + (j + 1) * m + c),
+                                                _mm512_loadu_ps(s + j * m + c));
+      _mm512_storeu_si512(p + (j * m + 2 * c),
+                          _mm512_permutexvar_epi16(interleave, reinterpret_cast<__m512i>(both)));
+    }
+#else
+  for (int64_t j = 0; j < kn16; j += 2)
+    for (int64_t c = 0; c < m; ++c) {
+      p[j * m + 2 * c] = round_to_bf16(s[j * m + c]);
+      p[j * m + 2 * c + 1] = round_to_bf16(s[(j + 1) * m + c]);
+    }
+#endif
+}
+
+}  // namespace
+
+// paged_prefill_attention for a bfloat16 model: q [T, H, D], the caches and `out` bfloat16;
+// scores, softmax and the output accumulate in float32. The same transposed tiles, with both
+// GEMMs in bfloat16 on the CPU's matrix units (oneDNN's microkernel on AMX tiles):
+//   S^T [keys, M] = K Q^T       (A: the keys, bfloat16 rows; B: Q^T in VNNI pairs)
+//   O^T [D, M]   += V^T P^T     (A: the transposed value tiles; B: the probabilities rounded to
+//                                bfloat16, in VNNI pairs)
+// The scale multiplies the float32 scores (the queries stay exactly as the model made them).
+void paged_prefill_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache,
+                                  const at::Tensor& v_cache, const at::Tensor& tables,
+                                  const at::Tensor& q_start, const at::Tensor& q_lens,
+                                  const at::Tensor& kv_lens, double scale, at::Tensor& out) {
+  const char* op = "paged_prefill_attention_bf16";
+  TORCH_CHECK(q.device().is_cpu() && q.scalar_type() == at::kBFloat16 && q.dim() == 3 &&
+                  q.stride(2) == 1 && q.stride(1) == q.size(2),
+              op, ": q must be bfloat16 [T, H, D] with contiguous heads");
+  for (const at::Tensor* t : {&k_cache, &v_cache}) {
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kBFloat16 &&
+                    t->is_contiguous() && t->dim() == 4,
+                op, ": the caches must be contiguous bfloat16 [blocks, block_size, kv_heads, D]");
+  }
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), op, ": k_cache and v_cache differ in shape");
+  check_i32(tables, "tables");
+  check_i32(q_start, "q_start");
+  check_i32(q_lens, "q_lens");
+  check_i32(kv_lens, "kv_lens");
+  TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes() &&
+                  out.scalar_type() == at::kBFloat16,
+              op, ": out must be a contiguous bfloat16 tensor shaped like q");
+  const int64_t heads = q.size(1), dim = q.size(2);
+  const int64_t bs = k_cache.size(1), kv_heads = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == dim && dim % 2 == 0, op, ": head_dim of q and the cache");
+  TORCH_CHECK(heads % kv_heads == 0, op, ": heads % kv_heads != 0");
+  const int64_t group = heads / kv_heads, n = q_lens.size(0), max_blocks = tables.size(1);
+  TORCH_CHECK(tables.dim() == 2 && tables.size(0) == n && q_start.size(0) == n &&
+                  kv_lens.size(0) == n,
+              op, ": one table, start and length per sequence");
+  const int32_t* tab = tables.data_ptr<int32_t>();
+  const int32_t* qs = q_start.data_ptr<int32_t>();
+  const int32_t* ql = q_lens.data_ptr<int32_t>();
+  const int32_t* kl = kv_lens.data_ptr<int32_t>();
+  const int64_t task_rows = task_rows_for(group), m = group * task_rows;
+  const Plan plan =
+      plan_tasks(op, qs, ql, kl, n, bs, max_blocks, q.size(0), kv_heads, task_rows, dim);
+  const std::vector<Task>& tasks = plan.tasks;
+  const std::vector<int64_t>& k_off = plan.k_off;
+  const std::vector<int64_t>& v_off = plan.v_off;
+  const uint16_t* qp = reinterpret_cast<const uint16_t*>(q.data_ptr<bf16>());
+  const uint16_t* kc = reinterpret_cast<const uint16_t*>(k_cache.data_ptr<bf16>());
+  const uint16_t* vc = reinterpret_cast<const uint16_t*>(v_cache.data_ptr<bf16>());
+  uint16_t* op_out = reinterpret_cast<uint16_t*>(out.data_ptr<bf16>());
+  const int64_t q_row = q.stride(0);
+  const int64_t token_stride = kv_heads * dim;
+  const int64_t block_stride = bs * token_stride;
+  const float fscale = static_cast<float>(scale);
+  auto kbuf = at::empty({k_off.back()}, q.options());
+  auto vbuf = at::empty({v_off.back()}, q.options());
+  uint16_t* kg = reinterpret_cast<uint16_t*>(kbuf.data_ptr<bf16>());
+  uint16_t* vg = reinterpret_cast<uint16_t*>(vbuf.data_ptr<bf16>());
+  at::parallel_for(0, n * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t s = u / kv_heads, h = u % kv_heads, len = kl[s];
+      auto offset = [&](int64_t pos) {
+        return tab[s * max_blocks + pos / bs] * block_stride + (pos % bs) * token_stride +
+               h * dim;
+      };
+      uint16_t* keys = kg + k_off[u];
+      uint16_t* values_t = vg + v_off[u];
+      for (int64_t pos = 0; pos < len; ++pos)
+        std::copy(kc + offset(pos), kc + offset(pos) + dim, keys + pos * dim);
+      std::fill(keys + len * dim, keys + round16(len) * dim, uint16_t{0});
+      const int64_t last = (key_tiles(len) - 1) * dim * kVRow;
+      std::fill(values_t + last, values_t + last + dim * kVRow, uint16_t{0});
+      for (int64_t pos = 0; pos < len; ++pos) {
+        const uint16_t* row = vc + offset(pos);
+        uint16_t* dst = values_t + (pos / kK) * dim * kVRow + pos % kK;
+        for (int64_t d = 0; d < dim; ++d) dst[d * kVRow] = row[d];
+      }
+    }
+  });
+  const int64_t num_tasks = static_cast<int64_t>(tasks.size());
+  const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), num_tasks));
+  const int64_t words = dim / 2;  // 32-bit pairs of a head's row
+#pragma omp parallel num_threads(threads)
+  {
+    std::vector<uint32_t> qt(words * m);    // Q^T in VNNI pairs: [D / 2][M] pairs
+    std::vector<uint16_t> pt(kK * m);       // P^T in VNNI pairs: [kK / 2][M][2]
+    std::vector<float> st(kK * m), ot(dim * m), row_max(m), row_sum(m);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t ti = 0; ti < num_tasks; ++ti) {
+      const Task& t = tasks[ti];
+      const int64_t first_pos = kl[t.seq] - ql[t.seq] + t.row0;
+      const int64_t key_end = first_pos + t.rows;
+      const uint16_t* keys = kg + k_off[t.seq * kv_heads + t.kv_head];
+      const uint16_t* values_t = vg + v_off[t.seq * kv_heads + t.kv_head];
+      // Q^T pairs: column g * task_rows + i = head kv_head * group + g, token row0 + i
+      std::fill(qt.begin(), qt.end(), 0u);
+      const int64_t row0 = qs[t.seq] + t.row0;
+      for (int64_t g = 0; g < group; ++g)
+        for (int64_t i = 0; i < t.rows; ++i) {
+          const uint16_t* src = qp + (row0 + i) * q_row + (t.kv_head * group + g) * dim;
+          const int64_t c = g * task_rows + i;
+          for (int64_t j = 0; j < words; ++j) {
+            uint32_t pair;
+            std::memcpy(&pair, src + 2 * j, sizeof(pair));
+            qt[j * m + c] = pair;
+          }
+        }
+      std::fill(ot.begin(), ot.end(), 0.f);
+      std::fill(row_max.begin(), row_max.end(), -std::numeric_limits<float>::infinity());
+      std::fill(row_sum.begin(), row_sum.end(), 0.f);
+      for (int64_t k0 = 0; k0 < key_end; k0 += kK) {
+        const int64_t kn16 = round16(std::min<int64_t>(kK, key_end - k0));
+        at::native::cpublas::brgemm(kn16, m, dim, dim, m, m, false,
+                                    reinterpret_cast<const bf16*>(keys + k0 * dim),
+                                    reinterpret_cast<const bf16*>(qt.data()), st.data());
+        softmax_tile<true>(st.data(), kn16, m, task_rows, first_pos, k0, row_max.data(),
+                           row_sum.data(), ot.data(), dim, fscale);
+        to_vnni_pairs(st.data(), kn16, m, pt.data());
+        at::native::cpublas::brgemm(
+            dim, m, kn16, kVRow, m, m, true,
+            reinterpret_cast<const bf16*>(values_t + k0 / kK * dim * kVRow),
+            reinterpret_cast<const bf16*>(pt.data()), ot.data());
+      }
+      for (int64_t g = 0; g < group; ++g)
+        for (int64_t i = 0; i < t.rows; ++i) {
+          const int64_t c = g * task_rows + i;
+          const float inv = 1.f / row_sum[c];
+          uint16_t* dst = op_out + ((row0 + i) * heads + t.kv_head * group + g) * dim;
+          for (int64_t d = 0; d < dim; ++d) dst[d] = round_to_bf16(ot[d * m + c] * inv);
+        }
+    }
+    at::native::cpublas::brgemm_release();
+  }
+}
+
 void register_prefill_attention_ops(py::module& m) {
+  m.def("paged_prefill_attention_bf16", &paged_prefill_attention_bf16, release_gil(),
+        "causal attention of prompt chunks over the paged bfloat16 KV cache (CPU; bfloat16 GEMMs "
+        "on the matrix units, float32 softmax)",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("tables"),
+        py::arg("q_start"), py::arg("q_lens"), py::arg("kv_lens"), py::arg("scale"),
+        py::arg("out"));
   m.def("prefill_attention_available", &prefill_attention_available, release_gil(),
         "whether the prefill attention runs here (oneDNN's GEMM microkernel, an AVX-512 build)");
   m.def("paged_prefill_attention", &paged_prefill_attention, release_gil(),

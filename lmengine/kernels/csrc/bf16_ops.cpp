@@ -1,0 +1,345 @@
+// The bfloat16 forward on the CPU: the ops whose float32 forms live in gemv_ops.cpp,
+// layer_ops.cpp and rotary_ops.cpp, for bfloat16 activations and weights.
+//
+// Each keeps transformers' bfloat16 numerics where they are cheap to keep: every value that
+// transformers rounds to bfloat16 between two eager ops is rounded here at the same point
+// (RMSNorm's normalised row before the weight multiply, silu before the multiply by up, each
+// rotary product before their sum), and everything in between is computed in float32, as
+// torch's bfloat16 CPU kernels do. Only reductions (a row's sum of squares, a dot product)
+// add in another order.
+//
+// - bf16_gemv: the weight-streaming GEMV for 1-8 rows (decode). Half the bytes of float32 per
+//   weight; on CPUs with AVX512-BF16 one vdpbf16ps does 32 multiply-adds of bfloat16 pairs.
+// - bf16_rms_norm, bf16_silu_mul: one pass per row instead of torch's eager chains.
+// - rotary_fill_kv_bf16: rotary on q and k fused with the write into a bfloat16 KV cache.
+
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "bindings.h"
+#include "vec_math.h"
+
+namespace {
+
+using bf16 = at::BFloat16;
+constexpr int64_t kElemsPerTask = 131072;
+
+void check_bf16(const at::Tensor& t, const char* op, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kBFloat16, op, ": ", name,
+              " must be a bfloat16 CPU tensor, got ", t.scalar_type());
+}
+
+// ---- the weight-streaming GEMV ------------------------------------------------------------
+
+constexpr int64_t kPrefetch = 2048;  // bfloat16 elements ahead of the current read (4 KiB)
+
+#if defined(__AVX512F__)
+// 32 bfloat16 weights times 32 bfloat16 inputs, added pairwise into 16 float32 lanes.
+inline __m512 dot32(__m512 acc, const bf16* x, const bf16* w) {
+#if defined(__AVX512BF16__)
+  return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh>(_mm512_loadu_si512(x)),
+                          reinterpret_cast<__m512bh>(_mm512_loadu_si512(w)));
+#else
+  // bfloat16 -> float32 is a 16-bit shift: the even and the odd elements of each pair
+  const __m512i xi = _mm512_loadu_si512(x), wi = _mm512_loadu_si512(w);
+  const __m512i hi_mask = _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u));
+  const __m512 x_even = _mm512_castsi512_ps(_mm512_slli_epi32(xi, 16));
+  const __m512 w_even = _mm512_castsi512_ps(_mm512_slli_epi32(wi, 16));
+  const __m512 x_odd = _mm512_castsi512_ps(_mm512_and_si512(xi, hi_mask));
+  const __m512 w_odd = _mm512_castsi512_ps(_mm512_and_si512(wi, hi_mask));
+  return _mm512_fmadd_ps(x_odd, w_odd, _mm512_fmadd_ps(x_even, w_even, acc));
+#endif
+}
+
+// y[m, r] for weight rows r in [r0, r1) and the kM input rows; k % 32 == 0. As gemv_ops.cpp's
+// float32 kernel: one weight row at a time, front to back, one sequential stream per thread,
+// every cache line requested kPrefetch elements ahead; accumulators in float32.
+template <int kM>
+void bf16_gemv_rows(const bf16* x, const bf16* w, const bf16* bias, bf16* y, int64_t k,
+                    int64_t n, int64_t r0, int64_t r1) {
+  constexpr int kVec = kM <= 2 ? 4 : 2;
+  constexpr int64_t kStep = 32 * kVec;
+  for (int64_t r = r0; r < r1; ++r) {
+    const bf16* wr = w + r * k;
+    __m512 acc[kM][kVec];
+    for (int m = 0; m < kM; ++m)
+      for (int v = 0; v < kVec; ++v) acc[m][v] = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + kStep <= k; i += kStep) {
+      for (int v = 0; v < kVec; ++v) prefetch_line(wr + i + 32 * v + kPrefetch);
+      for (int m = 0; m < kM; ++m)
+        for (int v = 0; v < kVec; ++v)
+          acc[m][v] = dot32(acc[m][v], x + m * k + i + 32 * v, wr + i + 32 * v);
+    }
+    for (; i < k; i += 32) {
+      for (int m = 0; m < kM; ++m) acc[m][0] = dot32(acc[m][0], x + m * k + i, wr + i);
+    }
+    const float b = bias ? static_cast<float>(bias[r]) : 0.f;
+    for (int m = 0; m < kM; ++m) {
+      __m512 total = acc[m][0];
+      for (int v = 1; v < kVec; ++v) total = _mm512_add_ps(total, acc[m][v]);
+      y[m * n + r] = static_cast<bf16>(_mm512_reduce_add_ps(total) + b);
+    }
+  }
+}
+#endif
+
+constexpr int64_t kMaxGemvRows = 8;
+
+// ---- rows of the small ops ----------------------------------------------------------------
+
+// bfloat16 -> float32 and back (round to nearest even, NaN kept), vectorisable
+#pragma omp declare simd notinbranch
+inline float to_f32(uint16_t h) {
+  const uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+#pragma omp declare simd notinbranch
+inline uint16_t to_bf16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof(bits));
+  const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+  return f != f ? static_cast<uint16_t>((bits >> 16) | 0x40u) : static_cast<uint16_t>(rounded);
+}
+
+// The value a float32 takes once stored as bfloat16 (the rounding between two eager ops)
+#pragma omp declare simd notinbranch
+inline float round_bf16(float f) { return to_f32(to_bf16(f)); }
+
+inline const uint16_t* u16(const at::Tensor& t) {
+  return reinterpret_cast<const uint16_t*>(t.data_ptr<bf16>());
+}
+inline uint16_t* u16_mut(const at::Tensor& t) {
+  return reinterpret_cast<uint16_t*>(t.data_ptr<bf16>());
+}
+
+// transformers' LlamaRMSNorm on a bfloat16 row: src = bf16(residual + x) (the decoder layer's
+// bfloat16 add, written to `summed`) or x; out = bf16(weight * bf16(src * rsqrt(mean(src^2) +
+// eps))), the mean over float32 values.
+inline void rms_norm_row_bf16(const uint16_t* x, const uint16_t* residual, uint16_t* summed,
+                              const uint16_t* weight, float eps, int64_t k, uint16_t* out) {
+  const uint16_t* src = x;
+  if (residual != nullptr) {
+#pragma omp simd
+    for (int64_t i = 0; i < k; ++i) summed[i] = to_bf16(to_f32(residual[i]) + to_f32(x[i]));
+    src = summed;
+  }
+  float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t i = 0; i < k; ++i) ss += to_f32(src[i]) * to_f32(src[i]);
+  const float r = 1.0f / std::sqrt(ss / static_cast<float>(k) + eps);
+#pragma omp simd
+  for (int64_t i = 0; i < k; ++i) out[i] = to_bf16(to_f32(weight[i]) * round_bf16(to_f32(src[i]) * r));
+}
+
+// bf16(bf16(silu(gate)) * up): torch's bfloat16 silu rounds before the multiply
+inline void silu_mul_row_bf16(const uint16_t* gate, const uint16_t* up, uint16_t* act, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    const float g = to_f32(gate[i]);
+    act[i] = to_bf16(round_bf16(g / (1.0f + exp_approx(-g))) * to_f32(up[i]));
+  }
+}
+
+// bf16(bf16(x * cos) + bf16(rotate_half(x) * sin)): transformers' apply_rotary_pos_emb in
+// bfloat16, each product and the sum rounded
+__attribute__((optimize("fp-contract=off"))) inline void rotate_row_bf16(
+    const uint16_t* x, const uint16_t* cos, const uint16_t* sin, uint16_t* out, int64_t dim) {
+  const int64_t half = dim / 2;
+#pragma omp simd
+  for (int64_t i = 0; i < half; ++i) {
+    const float a = round_bf16(to_f32(x[i]) * to_f32(cos[i]));
+    const float b = round_bf16(-to_f32(x[i + half]) * to_f32(sin[i]));
+    out[i] = to_bf16(a + b);
+  }
+#pragma omp simd
+  for (int64_t i = half; i < dim; ++i) {
+    const float a = round_bf16(to_f32(x[i]) * to_f32(cos[i]));
+    const float b = round_bf16(to_f32(x[i - half]) * to_f32(sin[i]));
+    out[i] = to_bf16(a + b);
+  }
+}
+
+}  // namespace
+
+bool bf16_gemv_available() {
+#if defined(__AVX512F__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// x [M, K] (1 <= M <= 8, K a multiple of 32), w [N, K], bias [N] or None, all bfloat16 and
+// contiguous -> [M, N] bfloat16, accumulated in float32.
+at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& w,
+                     const c10::optional<at::Tensor>& bias) {
+  check_bf16(x, "bf16_gemv", "x");
+  check_bf16(w, "bf16_gemv", "w");
+  TORCH_CHECK(x.is_contiguous() && w.is_contiguous(), "bf16_gemv: x and w must be contiguous");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1),
+              "bf16_gemv: x must be [M, K] and w [N, K]");
+  const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
+  TORCH_CHECK(m >= 1 && m <= kMaxGemvRows, "bf16_gemv: 1 to ", kMaxGemvRows, " rows, got ", m);
+  TORCH_CHECK(k % 32 == 0, "bf16_gemv: K must be a multiple of 32, got ", k);
+  const bf16* bp = nullptr;
+  if (bias.has_value()) {
+    check_bf16(*bias, "bf16_gemv", "bias");
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n && bias->is_contiguous(),
+                "bf16_gemv: bias must be [N]");
+    bp = bias->data_ptr<bf16>();
+  }
+  auto y = at::empty({m, n}, x.options());
+#if defined(__AVX512F__)
+  const bf16* xp = x.data_ptr<bf16>();
+  const bf16* wp = w.data_ptr<bf16>();
+  bf16* yp = y.data_ptr<bf16>();
+  using Kernel = void (*)(const bf16*, const bf16*, const bf16*, bf16*, int64_t, int64_t, int64_t,
+                          int64_t);
+  static constexpr Kernel kernels[kMaxGemvRows] = {
+      bf16_gemv_rows<1>, bf16_gemv_rows<2>, bf16_gemv_rows<3>, bf16_gemv_rows<4>,
+      bf16_gemv_rows<5>, bf16_gemv_rows<6>, bf16_gemv_rows<7>, bf16_gemv_rows<8>};
+  // at least ~64 KiB of weights per task
+  const int64_t grain = std::max<int64_t>(1, 32768 / k);
+  at::parallel_for(0, n, grain, [&](int64_t r0, int64_t r1) {
+    kernels[m - 1](xp, wp, bp, yp, k, n, r0, r1);
+  });
+#else
+  TORCH_CHECK(false, "bf16_gemv: this build has no AVX-512");
+#endif
+  return y;
+}
+
+// x: [..., K] bfloat16 contiguous; weight [K] bfloat16; residual like x or None. Returns
+// (normed, summed) as layer_ops.cpp's rms_norm, in bfloat16.
+std::tuple<at::Tensor, at::Tensor> bf16_rms_norm(const at::Tensor& x, const at::Tensor& weight,
+                                                 double eps,
+                                                 const c10::optional<at::Tensor>& residual) {
+  check_bf16(x, "bf16_rms_norm", "x");
+  check_bf16(weight, "bf16_rms_norm", "weight");
+  const int64_t k = x.size(-1);
+  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous() && weight.numel() == k,
+              "bf16_rms_norm: x [..., K] and weight [K] must be contiguous");
+  at::Tensor res;
+  if (residual.has_value() && residual->defined()) {
+    res = *residual;
+    check_bf16(res, "bf16_rms_norm", "residual");
+    TORCH_CHECK(res.sizes() == x.sizes() && res.is_contiguous(),
+                "bf16_rms_norm: residual must be contiguous and shaped like x");
+  }
+  const int64_t m = k == 0 ? 0 : x.numel() / k;
+  const at::Tensor summed = res.defined() ? at::empty_like(x) : at::Tensor();
+  at::Tensor out = at::empty_like(x);
+  const uint16_t* xp = u16(x);
+  const uint16_t* rp = res.defined() ? u16(res) : nullptr;
+  uint16_t* sp = summed.defined() ? u16_mut(summed) : nullptr;
+  const uint16_t* wp = u16(weight);
+  uint16_t* op = u16_mut(out);
+  const float feps = static_cast<float>(eps);
+  at::parallel_for(0, m, rows_per_task(k, kElemsPerTask), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      rms_norm_row_bf16(xp + i * k, rp ? rp + i * k : nullptr, sp ? sp + i * k : nullptr, wp,
+                        feps, k, op + i * k);
+    }
+  });
+  return {out, summed};
+}
+
+// gate_up: [M, 2 * I] bfloat16, rows contiguous -> bf16(bf16(silu(gate)) * up) [M, I]
+at::Tensor bf16_silu_mul(const at::Tensor& gate_up) {
+  check_bf16(gate_up, "bf16_silu_mul", "gate_up");
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.stride(1) == 1 && gate_up.size(1) % 2 == 0,
+              "bf16_silu_mul: gate_up must be [M, 2 * I] with contiguous rows");
+  const int64_t m = gate_up.size(0), inter = gate_up.size(1) / 2, ld = gate_up.stride(0);
+  at::Tensor out = at::empty({m, inter}, gate_up.options());
+  const uint16_t* gp = u16(gate_up);
+  uint16_t* op = u16_mut(out);
+  at::parallel_for(0, m, rows_per_task(2 * inter, kElemsPerTask), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      silu_mul_row_bf16(gp + r * ld, gp + r * ld + inter, op + r * inter, inter);
+    }
+  });
+  return out;
+}
+
+// rotary_ops.cpp's rotary_fill_kv for bfloat16 q, k, v, cos, sin and caches.
+at::Tensor rotary_fill_kv_bf16(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                               const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
+                               at::Tensor& v_cache, const at::Tensor& slot_mapping) {
+  const char* op = "rotary_fill_kv_bf16";
+  check_bf16(q, op, "q");
+  check_bf16(k, op, "k");
+  check_bf16(v, op, "v");
+  check_bf16(cos, op, "cos");
+  check_bf16(sin, op, "sin");
+  check_bf16(k_cache, op, "k_cache");
+  check_bf16(v_cache, op, "v_cache");
+  TORCH_CHECK(q.dim() == 2 && k.dim() == 2 && v.dim() == 2 && q.stride(1) == 1 &&
+                  k.stride(1) == 1 && v.stride(1) == 1,
+              op, ": q, k, v must be [T, heads * head_dim] with contiguous rows");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && k_cache.is_contiguous() &&
+                  v_cache.is_contiguous(),
+              op, ": cos, sin and the caches must be contiguous");
+  const int64_t num_tokens = q.size(0), dim = cos.size(1), kv_heads = k_cache.size(2);
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.size(3) == dim && v_cache.sizes() == k_cache.sizes(),
+              op, ": caches must be [num_blocks, block_size, kv_heads, head_dim]");
+  TORCH_CHECK(dim % 2 == 0 && q.size(1) % dim == 0 && k.size(1) == kv_heads * dim &&
+                  v.size(1) == kv_heads * dim && cos.size(0) == num_tokens &&
+                  sin.sizes() == cos.sizes() && k.size(0) == num_tokens &&
+                  v.size(0) == num_tokens && slot_mapping.numel() == num_tokens,
+              op, ": shapes do not fit");
+  const int64_t heads = q.size(1) / dim;
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  auto slots = slot_mapping.to(at::kLong).contiguous();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, op, ": slot ", sp[t], " out of range");
+  }
+  auto q_out = at::empty({num_tokens, heads, dim}, q.options());
+  const uint16_t *qp = u16(q), *kp = u16(k), *vp = u16(v), *cp = u16(cos), *snp = u16(sin);
+  uint16_t* qo = u16_mut(q_out);
+  uint16_t* kc = u16_mut(k_cache);
+  uint16_t* vc = u16_mut(v_cache);
+  const int64_t qs = q.stride(0), ks = k.stride(0), vs = v.stride(0);
+  const int64_t row = kv_heads * dim;  // one slot of a cache
+  const int64_t grain = rows_per_task((heads + 2 * kv_heads) * dim, 65536);
+  at::parallel_for(0, num_tokens, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const uint16_t* c = cp + t * dim;
+      const uint16_t* s = snp + t * dim;
+      for (int64_t h = 0; h < heads; ++h) {
+        rotate_row_bf16(qp + t * qs + h * dim, c, s, qo + (t * heads + h) * dim, dim);
+      }
+      uint16_t* k_slot = kc + sp[t] * row;
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        rotate_row_bf16(kp + t * ks + h * dim, c, s, k_slot + h * dim, dim);
+      }
+      std::copy(vp + t * vs, vp + t * vs + row, vc + sp[t] * row);
+    }
+  });
+  return q_out;
+}
+
+void register_bf16_ops(py::module& m) {
+  m.def("bf16_gemv_available", &bf16_gemv_available, release_gil(),
+        "whether bf16_gemv was built (it needs AVX-512)");
+  m.def("bf16_gemv", &bf16_gemv, release_gil(),
+        "bfloat16 x [M<=8, K] @ w[N, K]^T (+ bias), float32 accumulation: a weight-streaming GEMV",
+        py::arg("x"), py::arg("w"), py::arg("bias") = py::none());
+  m.def("bf16_rms_norm", &bf16_rms_norm, release_gil(),
+        "RMSNorm, after the residual add when given (bfloat16, CPU)", py::arg("x"),
+        py::arg("weight"), py::arg("eps"), py::arg("residual") = py::none());
+  m.def("bf16_silu_mul", &bf16_silu_mul, release_gil(),
+        "silu(gate) * up of a fused gate/up output (bfloat16, CPU)", py::arg("gate_up"));
+  m.def("rotary_fill_kv_bf16", &rotary_fill_kv_bf16, release_gil(),
+        "rotary on q and k, rotated k and v written to their paged cache slots (bfloat16, CPU)",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("cos"), py::arg("sin"),
+        py::arg("k_cache"), py::arg("v_cache"), py::arg("slot_mapping"));
+}

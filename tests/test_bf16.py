@@ -1,0 +1,186 @@
+"""bfloat16 on the CPU: greedy output follows transformers' bfloat16 `generate` under the
+near-tie rule of docs/gpu.md (lead at most 0.5 at the first difference, at least half of the
+reference tokens matched, matched log-probabilities within 0.5), on SmolLM2 and on a tiny
+model of every architecture; the compiled bfloat16 paths really run; `dtype="auto"` picks
+bfloat16 only where the CPU has bfloat16 matrix units, and without them stays float32 and
+token for token."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lmengine import Engine, EngineConfig, GenerationConfig
+from lmengine.engine import loader
+from lmengine.kernels import cpu_ext, cpu_features
+from tests.engine_utils import random_prompts, run_threads
+from tests.gpu.common import (
+    BF16_LOGPROB_TOL,
+    BF16_TIE_MARGIN,
+    chat_prompts,
+    check_greedy_against,
+    hf_greedy_reference,
+    load_hf,
+)
+from tests.hf_reference import hf_greedy
+from tests.test_models_parity import ARCHITECTURES, LENGTHS, save_tiny_model
+
+NEW_TOKENS = 24
+
+
+def bf16_config(**fields) -> EngineConfig:
+    return EngineConfig(dtype="bfloat16", device="cpu", **fields)
+
+
+@pytest.fixture(scope="module")
+def smol_case(smollm2_path):
+    from transformers import AutoTokenizer
+
+    prompts = chat_prompts(AutoTokenizer.from_pretrained(smollm2_path), 6)
+    model = load_hf(smollm2_path, torch.bfloat16, torch.device("cpu"))
+    return prompts, hf_greedy_reference(model, prompts, NEW_TOKENS)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        dict(block_size=16, num_gpu_blocks=512),
+        dict(block_size=4, num_gpu_blocks=60),  # preemption
+        dict(block_size=16, num_gpu_blocks=512, max_prefill_token_num=24),  # chunked prompts
+    ],
+    ids=["batch", "preempt", "chunked"],
+)
+def test_smollm2_bfloat16_follows_transformers(smollm2_path, smol_case, fields):
+    prompts, reference = smol_case
+    with Engine.from_pretrained(smollm2_path, bf16_config(**fields)) as engine:
+        agent = engine.model_agent
+        assert next(agent.model.parameters()).dtype == torch.bfloat16
+        assert all(t.dtype == torch.bfloat16 for t in agent.cache_engine.kv_caches[0])
+        gen = GenerationConfig(max_new_tokens=NEW_TOKENS, logprobs=1)
+        got = run_threads(engine, prompts, gen, together=fields["block_size"] == 4)
+        check_greedy_against(got, reference, BF16_TIE_MARGIN, BF16_LOGPROB_TOL, 0.5)
+        stats = engine.stats()
+        assert stats["num_free_blocks"] == stats["num_total_blocks"]
+        engine.check_integrity()
+
+
+@pytest.fixture(scope="module", params=sorted(ARCHITECTURES))
+def bf16_arch_case(request, tmp_path_factory, smollm2_path):
+    from transformers import AutoConfig
+
+    name = request.param
+    path = save_tiny_model(tmp_path_factory.mktemp(f"bf16_{name}"), smollm2_path, name)
+    vocab = AutoConfig.from_pretrained(path).vocab_size
+    prompts = random_prompts(LENGTHS, vocab, seed=2)
+    model = load_hf(path, torch.bfloat16, torch.device("cpu"))
+    return name, path, prompts, hf_greedy_reference(model, prompts, 12)
+
+
+def test_every_architecture_in_bfloat16(bf16_arch_case):
+    name, path, prompts, reference = bf16_arch_case
+    with Engine.from_pretrained(path, bf16_config(block_size=4, num_gpu_blocks=256)) as engine:
+        assert next(engine.model_agent.model.parameters()).dtype == torch.bfloat16
+        gen = GenerationConfig(max_new_tokens=12, logprobs=1)
+        got = run_threads(engine, prompts, gen)
+        check_greedy_against(got, reference, BF16_TIE_MARGIN, BF16_LOGPROB_TOL, 0.5)
+        engine.check_integrity()
+
+
+def test_the_compiled_bfloat16_paths_run(smollm2_path, monkeypatch):
+    """A bfloat16 step goes through the compiled GEMV, RMSNorm, SwiGLU, rotary + cache write,
+    decode attention and (with AMX / AVX512-BF16) prefill attention, not through torch's eager
+    fallbacks."""
+    module = cpu_ext.load()
+    assert module is not None, "the CPU kernels failed to build"
+    names = [
+        "bf16_rms_norm",
+        "bf16_silu_mul",
+        "rotary_fill_kv_bf16",
+        "paged_decode_attention_bf16",
+    ]
+    if module.bf16_gemv_available():
+        names.append("bf16_gemv")
+    if module.prefill_attention_available() and cpu_features.has_bf16_units():
+        names.append("paged_prefill_attention_bf16")
+    calls: dict[str, int] = {}
+
+    class Spy:
+        def __getattr__(self, attr):
+            real = getattr(module, attr)
+            if attr not in names:
+                return real
+
+            def counted(*args, **kwargs):
+                calls[attr] = calls.get(attr, 0) + 1
+                return real(*args, **kwargs)
+
+            return counted
+
+    with Engine.from_pretrained(smollm2_path, bf16_config(num_gpu_blocks=128)) as engine:
+        monkeypatch.setattr(cpu_ext, "load", Spy)  # `load()` returns the spy: called per op
+        inst = engine.create_instance()
+        out = inst.infer(1, [1, 2, 3, 4, 5], gen_config=GenerationConfig(max_new_tokens=4))
+        assert out.finish_reason == "length"
+    assert sorted(calls) == sorted(names), f"compiled bfloat16 ops that ran: {calls}"
+
+
+class TestAutoDtype:
+    @pytest.fixture(autouse=True)
+    def _no_override(self, monkeypatch):
+        monkeypatch.delenv("LMENGINE_CPU_DTYPE", raising=False)
+
+    def test_bfloat16_where_the_cpu_has_bf16_units(self, monkeypatch):
+        monkeypatch.setattr(cpu_features, "cpu_flags", lambda: frozenset({"avx512f", "amx_bf16"}))
+        assert loader.pick_dtype("auto", torch.device("cpu"), None) == torch.bfloat16
+        monkeypatch.setattr(cpu_features, "cpu_flags", lambda: frozenset({"avx512_bf16"}))
+        assert loader.pick_dtype("auto", torch.device("cpu"), None) == torch.bfloat16
+
+    def test_float32_elsewhere(self, monkeypatch):
+        monkeypatch.setattr(cpu_features, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
+        assert loader.pick_dtype("auto", torch.device("cpu"), None) == torch.float32
+        # an explicit dtype is kept whatever the CPU
+        assert loader.pick_dtype("bfloat16", torch.device("cpu"), None) == torch.bfloat16
+
+    def test_float32_for_int8_and_gguf_block_models(self, monkeypatch):
+        """Their CPU kernels compute in float32: "auto" keeps it for them."""
+        monkeypatch.setattr(cpu_features, "cpu_flags", lambda: frozenset({"amx_bf16"}))
+        cpu = torch.device("cpu")
+        for policy in ("w8a8", "gguf"):
+            assert loader.pick_dtype("auto", cpu, None, policy) == torch.float32
+        assert loader.pick_dtype("auto", cpu, None, "float") == torch.bfloat16
+
+        class QuantizedConfig:
+            quantization_config = {"quant_method": "w8a8"}
+
+        assert loader.pick_dtype("auto", cpu, QuantizedConfig()) == torch.float32
+
+    def test_the_environment_overrides(self, monkeypatch):
+        monkeypatch.setattr(cpu_features, "cpu_flags", lambda: frozenset({"amx_bf16"}))
+        monkeypatch.setenv("LMENGINE_CPU_DTYPE", "float32")
+        assert loader.pick_dtype("auto", torch.device("cpu"), None) == torch.float32
+        monkeypatch.setenv("LMENGINE_CPU_DTYPE", "float64")
+        with pytest.raises(ValueError, match="LMENGINE_CPU_DTYPE"):
+            loader.pick_dtype("auto", torch.device("cpu"), None)
+
+    def test_without_bf16_units_auto_stays_float32_and_exact(self, monkeypatch, tiny_llama_path):
+        """A CPU without AMX or AVX512-BF16 (the probe mocked): 'auto' computes in float32 and
+        gives transformers' float32 tokens exactly."""
+        monkeypatch.setattr(cpu_features, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
+        from transformers import AutoConfig
+
+        vocab = AutoConfig.from_pretrained(tiny_llama_path).vocab_size
+        prompts = random_prompts([3, 17, 30], vocab, seed=5)
+        expected = hf_greedy(tiny_llama_path, prompts, 10)
+        with Engine.from_pretrained(tiny_llama_path, EngineConfig(device="cpu")) as engine:
+            assert next(engine.model_agent.model.parameters()).dtype == torch.float32
+            got = run_threads(engine, prompts, GenerationConfig(max_new_tokens=10))
+        assert [r.token_ids for r in got] == expected
+
+    def test_with_bf16_units_auto_runs_bfloat16(self, monkeypatch, tiny_llama_path):
+        monkeypatch.setattr(cpu_features, "cpu_flags", lambda: frozenset({"amx_bf16"}))
+        with Engine.from_pretrained(tiny_llama_path, EngineConfig(device="cpu")) as engine:
+            assert next(engine.model_agent.model.parameters()).dtype == torch.bfloat16
+            out = engine.create_instance().infer(
+                1, [5, 6, 7], gen_config=GenerationConfig(max_new_tokens=3)
+            )
+            assert out.finish_reason == "length"
