@@ -184,3 +184,19 @@ class TestAutoDtype:
                 1, [5, 6, 7], gen_config=GenerationConfig(max_new_tokens=3)
             )
             assert out.finish_reason == "length"
+
+
+def test_tensor_parallel_in_bfloat16(tiny_llama_path):
+    """tp=2 on the CPU in bfloat16 (what "auto" gives on an AMX machine): the ranks' partial
+    sums are reduced over gloo in bfloat16, so greedy output follows transformers' bfloat16
+    under the near-tie rule rather than token for token."""
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(tiny_llama_path).vocab_size
+    prompts = random_prompts([3, 17, 30, 9], vocab, seed=7)
+    model = load_hf(tiny_llama_path, torch.bfloat16, torch.device("cpu"))
+    reference = hf_greedy_reference(model, prompts, 10)
+    with Engine.from_pretrained(tiny_llama_path, bf16_config(tp=2, num_gpu_blocks=64)) as engine:
+        got = run_threads(engine, prompts, GenerationConfig(max_new_tokens=10, logprobs=1))
+        check_greedy_against(got, reference, BF16_TIE_MARGIN, BF16_LOGPROB_TOL, 0.5)
+        engine.check_integrity()
