@@ -17,6 +17,7 @@ the model. One request, from the caller to its last response:
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import os
@@ -213,19 +214,14 @@ class Engine:
     ) -> Engine:
         """Load a folder, hub id or GGUF file (None: the default model) and start the loop."""
         cfg = engine_config or EngineConfig()
+        load = functools.partial(load_model_and_tokenizer, quant_policy=cfg.quant_policy)
         if cfg.tp > 1:  # the model agent loads the shards
-            from lmengine.distributed.load import load_tokenizer
-
-            def loader():
-                return load_tokenizer(model_path, cfg.dtype, cfg.device, cfg.trust_remote_code)
-        else:
-
-            def loader():
-                return load_model_and_tokenizer(
-                    model_path, cfg.dtype, cfg.device, cfg.trust_remote_code, cfg.quant_policy
-                )
-
-        return cls(engine_config=cfg, model_path=model_path, loader=loader)
+            from lmengine.distributed.load import load_tokenizer as load
+        return cls(
+            engine_config=cfg,
+            model_path=model_path,
+            loader=lambda: load(model_path, cfg.dtype, cfg.device, cfg.trust_remote_code),
+        )
 
     def create_instance(self):
         from lmengine.engine.instance import EngineInstance

@@ -10,7 +10,8 @@ there (lmengine/engine/loader.py). Tests mock `cpu_flags`.
 from __future__ import annotations
 
 import functools
-from pathlib import Path
+
+from lmengine.kernels import cpu_ext
 
 BF16_FLAGS = frozenset({"amx_bf16", "avx512_bf16"})
 INT8_FLAGS = frozenset({"amx_int8", "avx512_vnni", "avx_vnni"})
@@ -18,13 +19,8 @@ INT8_FLAGS = frozenset({"amx_int8", "avx512_vnni", "avx_vnni"})
 
 @functools.cache
 def _read_flags() -> frozenset[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text(errors="replace").splitlines():
-            if line.startswith(("flags", "Features")):
-                return frozenset(line.split(":", 1)[-1].split())
-    except OSError:
-        pass
-    return frozenset()
+    # NOTE: the line the kernel build hashes (cpu_ext), read once
+    return frozenset(cpu_ext._cpu_flags().decode(errors="replace").split())
 
 
 def cpu_flags() -> frozenset[str]:
@@ -35,11 +31,6 @@ def cpu_flags() -> frozenset[str]:
 def has_bf16_units() -> bool:
     """Whether bfloat16 GEMMs run natively (AMX-BF16 or AVX512-BF16)."""
     return bool(cpu_flags() & BF16_FLAGS)
-
-
-def has_amx() -> bool:
-    """Whether the CPU has AMX tiles for bfloat16."""
-    return "amx_bf16" in cpu_flags()
 
 
 def describe() -> str:

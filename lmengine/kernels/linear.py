@@ -112,9 +112,15 @@ def _linear_bf16(
     half the bytes of float32), oneDNN on its packed weight (AMX tiles) above."""
     if x.shape[0] <= _MAX_BF16_GEMV_ROWS and x.shape[1] % 32 == 0 and x.dtype == torch.bfloat16:
         module = cpu_ext.load()
-        if module is not None and module.bf16_gemv_available() and weight.is_contiguous():
+        if module is not None and _bf16_gemv_built(module) and weight.is_contiguous():
             return module.bf16_gemv(x.contiguous(), weight, bias)
     return _onednn(x, packed, bias)
+
+
+@functools.cache
+def _bf16_gemv_built(module) -> bool:
+    """Whether `module` has the bfloat16 GEMV (an AVX-512 build): asked once, not per call."""
+    return module.bf16_gemv_available()
 
 
 def _gemv_kernel():
