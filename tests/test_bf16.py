@@ -89,7 +89,9 @@ def test_every_architecture_in_bfloat16(bf16_arch_case):
 def test_the_compiled_bfloat16_paths_run(smollm2_path, monkeypatch):
     """A bfloat16 step goes through the compiled GEMV, RMSNorm, SwiGLU, rotary + cache write,
     decode attention and (with AMX / AVX512-BF16) prefill attention, not through torch's eager
-    fallbacks."""
+    fallbacks. The modules' path: the compiled decode loop calls the same kernels natively
+    (tests/test_decode_loop.py)."""
+    monkeypatch.setenv("LMENGINE_DECODE_LOOP", "0")
     module = cpu_ext.load()
     assert module is not None, "the CPU kernels failed to build"
     names = [

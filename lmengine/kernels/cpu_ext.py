@@ -35,6 +35,7 @@ _SOURCES = [
         "sgemm_packed_ops.cpp",
         "prefill_attention_ops.cpp",
         "bf16_ops.cpp",
+        "decode_loop_ops.cpp",
     )
 ]
 # included by the sources: part of the build's hash

@@ -14,8 +14,8 @@ block tables and the CPU gather plans come from `AttentionMetadata`, built once 
 (lmengine.kernels.attention_metadata).
 
 A bfloat16 cache (a bfloat16 model) goes through the same compiled decode kernel, which widens
-each block's rows to float32 as it reads them (the query is widened first, the output rounded
-back); its prompt chunks go to the bfloat16 form of the compiled prefill kernel (its GEMMs on
+each block's rows to float32 as it reads them (and the query, rounding the output back); its
+prompt chunks go to the bfloat16 form of the compiled prefill kernel (its GEMMs on
 the CPU's matrix units) where the CPU has them, else to the gather + SDPA path in bfloat16.
 
 An int8 cache (k_cache.dtype == torch.int8) comes with `k_scale` / `v_scale`,
@@ -113,7 +113,9 @@ def paged_attention_cpu(
     out = None
     quantized = k_scale is not None
     kernel = _decode_kernel_for(q.dtype, k_cache.dtype)
-    widen = q.dtype != torch.float32  # the compiled kernels take float32 queries
+    # the int8 cache's kernel takes float32 queries; the float32 and bfloat16 caches' kernels
+    # take the cache's dtype (the bfloat16 one widens the query and rounds the result itself)
+    widen = q.dtype != torch.float32 and k_cache.dtype == torch.int8
     # the compiled prefill kernel is looked up only for a group of prompt chunks: a decode step
     # never asks for it
     may_prefill = q.dtype in (torch.float32, torch.bfloat16) and k_cache.dtype == q.dtype
@@ -185,8 +187,9 @@ def paged_attention_cpu(
 
 def _decode_kernel_for(q_dtype: torch.dtype, cache_dtype: torch.dtype):
     """The compiled gather-free decode kernel for these dtypes, or None (then decodes use the
-    SDPA path). Each computes in float32: a bfloat16 query is widened first and the result
-    rounded back; a bfloat16 or int8 cache is widened block by block as it is read."""
+    SDPA path). Each computes in float32: a bfloat16 query is widened and the result rounded
+    back (by the bfloat16 cache's kernel itself, around the int8 one); a bfloat16 or int8 cache
+    is widened block by block as it is read."""
     module = cpu_ext.load()
     if module is None or q_dtype not in (torch.float32, torch.bfloat16):
         return None

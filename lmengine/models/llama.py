@@ -23,6 +23,7 @@ from lmengine.kernels import add_rms_norm, rms_norm
 from lmengine.kernels.activation import silu_mul
 from lmengine.models.attention import PagedAttentionMixin, set_rotary
 from lmengine.models.context import get_step_context
+from lmengine.models.decode_loop import LayerClasses, run_decode_layers
 from lmengine.models.layers import PackedLinear, merge_linears
 
 
@@ -92,19 +93,32 @@ class PatchedLlamaDecoderLayer(LlamaDecoderLayer):
         return self.mlp(hidden_states), residual
 
 
+# what the compiled decode loop runs in place of these modules (models/decode_loop.py)
+LLAMA_LAYER = LayerClasses(
+    PatchedLlamaDecoderLayer, PatchedLlamaAttention, PatchedLlamaMLP, PatchedRMSNorm
+)
+
+
 class PatchedLlamaModel(LlamaModel):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids: [num_tokens] -> final hidden states [num_tokens, hidden]."""
         hidden_states = self.embed_tokens(input_ids)  # [num_tokens, hidden]
         set_rotary(self.rotary_emb, hidden_states)
-        hooks = get_step_context().hooks  # research hooks: None unless a request asks
+        ctx = get_step_context()
+        hooks = ctx.hooks  # research hooks: None unless a request asks
         if hooks is not None:
             hooks.after_layer(0, hidden_states)
-        residual = None
-        for i, layer in enumerate(self.layers[: self.config.num_hidden_layers], 1):
-            hidden_states, residual = layer(hidden_states, residual)
-            if hooks is not None:
-                hooks.after_layer(i, hidden_states, residual)
+        layers = self.layers[: self.config.num_hidden_layers]
+        # a small decode step: every layer in one compiled call where it applies, else None
+        looped = run_decode_layers(layers, hidden_states, ctx, self, LLAMA_LAYER)
+        if looped is not None:
+            hidden_states, residual = looped
+        else:
+            residual = None
+            for i, layer in enumerate(layers, 1):
+                hidden_states, residual = layer(hidden_states, residual)
+                if hooks is not None:
+                    hooks.after_layer(i, hidden_states, residual)
         hidden_states, _ = self.norm(hidden_states, residual)
         if hooks is not None:
             hooks.after_norm(hidden_states)

@@ -155,7 +155,10 @@ def test_bf16_decode_attention(ext, kv_lens, block_size, heads, head_dim, thread
     tables = meta.block_tables.contiguous()
     out = ext.paged_decode_attention_bf16(q.float(), kc, vc, tables, meta.kv_lens, scale)
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
-    engine_out = paged_attention(q, kc, vc, meta, scale)  # widens q, rounds the result
+    # a bfloat16 query: widened in the kernel, the result rounded there, bit for bit as around it
+    out_bf16 = ext.paged_decode_attention_bf16(q, kc, vc, tables, meta.kv_lens, scale)
+    assert out_bf16.dtype == BF16 and torch.equal(out_bf16, out.to(BF16))
+    engine_out = paged_attention(q, kc, vc, meta, scale)
     assert engine_out.dtype == BF16
     torch.testing.assert_close(engine_out, expected.to(BF16), rtol=2**-7, atol=1e-2)
     torch.testing.assert_close(
@@ -181,4 +184,4 @@ def test_bf16_decode_rejects_other_caches(ext):
             q.float(), kc.float(), vc.float(), tables, meta.kv_lens, 1.0
         )
     with pytest.raises(RuntimeError, match="float32"):
-        ext.paged_decode_attention_bf16(q, kc, vc, tables, meta.kv_lens, 1.0)
+        ext.paged_decode_attention_bf16(q.half(), kc, vc, tables, meta.kv_lens, 1.0)

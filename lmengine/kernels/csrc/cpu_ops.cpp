@@ -235,15 +235,18 @@ inline void attend_block(const float* q_group, const float* k_block, const float
 // (Cache = at::BFloat16, no scales). The int8 and bfloat16 variants convert each block's K and V
 // rows of one KV head once into a small float buffer (it stays in L1) and then run the float32
 // loop on it, so the GQA group's query heads share the conversion; the float32 variant reads
-// the cache directly.
-template <typename Cache, int64_t kDim>
-void decode_loop(const float* q_ptr, const Cache* k_ptr, const Cache* v_ptr, const float* ks_ptr,
+// the cache directly. Queries and outputs are float32, or bfloat16 (Query = at::BFloat16: each
+// task widens its query rows exactly and rounds its outputs to nearest even, as `.float()` before
+// and `.to(torch.bfloat16)` after the float32 kernel would, without those two passes).
+template <typename Cache, int64_t kDim, typename Query = float>
+void decode_loop(const Query* q_ptr, const Cache* k_ptr, const Cache* v_ptr, const float* ks_ptr,
                  const float* vs_ptr, const int32_t* table_ptr, const int32_t* len_ptr,
-                 float* out_ptr, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                 Query* out_ptr, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
                  int64_t head_dim, int64_t block_size, int64_t max_blocks, float fscale,
                  float fcap, int64_t sliding_window) {
   constexpr bool kQuant = std::is_same<Cache, int8_t>::value;
   constexpr bool kConvert = !std::is_same<Cache, float>::value;  // through the float buffers
+  constexpr bool kWideQuery = !std::is_same<Query, float>::value;
   const int64_t group = num_heads / num_kv_heads;
   const int64_t token_stride = num_kv_heads * head_dim;  // between tokens of one block
   // A task serves all KV heads of a sequence when there are sequences enough for the threads:
@@ -258,6 +261,7 @@ void decode_loop(const float* q_ptr, const Cache* k_ptr, const Cache* v_ptr, con
     std::vector<float> run_max(job_heads), run_sum(job_heads);
     std::vector<float> k_buf(kConvert ? block_size * head_dim : 0);
     std::vector<float> v_buf(kConvert ? block_size * head_dim : 0);
+    std::vector<float> q_buf(kWideQuery ? job_heads * head_dim : 0);  // the task's query rows
     // keys first_key(seq) .. kv_len - 1 are visible
     auto first_key_of = [&](int64_t seq) {
       return sliding_window > 0 ? std::max<int64_t>(0, len_ptr[seq] - sliding_window) : int64_t{0};
@@ -270,6 +274,10 @@ void decode_loop(const float* q_ptr, const Cache* k_ptr, const Cache* v_ptr, con
       std::fill(run_max.begin(), run_max.end(), -std::numeric_limits<float>::infinity());
       std::fill(run_sum.begin(), run_sum.end(), 0.f);
       const int64_t first_key = first_key_of(seq);
+      const Query* q_job = q_ptr + (seq * num_heads + kv_first * group) * head_dim;
+      if constexpr (kWideQuery) {
+        for (int64_t i = 0; i < job_heads * head_dim; ++i) q_buf[i] = static_cast<float>(q_job[i]);
+      }
       for (int64_t blk = first_key / block_size; blk * block_size < kv_len; ++blk) {
         const int64_t block_id = table_ptr[seq * max_blocks + blk];
         const int64_t first = std::max<int64_t>(first_key - blk * block_size, 0);
@@ -336,32 +344,43 @@ void decode_loop(const float* q_ptr, const Cache* k_ptr, const Cache* v_ptr, con
             v_block = v_ptr + row * head_dim;
             stride = token_stride;
           }
-          const float* q_group = q_ptr + (seq * num_heads + kv_head * group) * head_dim;
+          const float* q_group;
+          if constexpr (kWideQuery) {
+            q_group = q_buf.data() + h * group * head_dim;
+          } else {
+            q_group = q_job + h * group * head_dim;
+          }
           attend_block<kDim>(q_group, k_block, v_block, stride, num_keys, group, head_dim,
                              block_size, fscale, fcap, scores.data(),
                              acc.data() + h * group * head_dim, run_max.data() + h * group,
                              run_sum.data() + h * group, next);
         }
       }
-      float* o_job = out_ptr + (seq * num_heads + kv_first * group) * head_dim;
+      Query* o_job = out_ptr + (seq * num_heads + kv_first * group) * head_dim;
       for (int64_t g = 0; g < job_heads; ++g) {
         const float inv = 1.f / run_sum[g];
+        if constexpr (kWideQuery) {
+          for (int64_t i = 0; i < head_dim; ++i) {
+            o_job[g * head_dim + i] = static_cast<Query>(acc[g * head_dim + i] * inv);
+          }
+        } else {
 #pragma omp simd
-        for (int64_t i = 0; i < head_dim; ++i) o_job[g * head_dim + i] = acc[g * head_dim + i] * inv;
+          for (int64_t i = 0; i < head_dim; ++i) o_job[g * head_dim + i] = acc[g * head_dim + i] * inv;
+        }
       }
     }
   });
 }
 
 // decode_loop with head_dim fixed at compile time where it is a common size
-template <typename Cache>
-void decode_dispatch(const float* q_ptr, const Cache* k_ptr, const Cache* v_ptr,
+template <typename Cache, typename Query = float>
+void decode_dispatch(const Query* q_ptr, const Cache* k_ptr, const Cache* v_ptr,
                      const float* ks_ptr, const float* vs_ptr, const int32_t* table_ptr,
-                     const int32_t* len_ptr, float* out_ptr, int64_t num_seqs, int64_t num_heads,
+                     const int32_t* len_ptr, Query* out_ptr, int64_t num_seqs, int64_t num_heads,
                      int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                      int64_t max_blocks, float fscale, float fcap, int64_t sliding_window) {
   auto run = [&](auto dim_tag) {
-    decode_loop<Cache, decltype(dim_tag)::value>(
+    decode_loop<Cache, decltype(dim_tag)::value, Query>(
         q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, len_ptr, out_ptr, num_seqs, num_heads,
         num_kv_heads, head_dim, block_size, max_blocks, fscale, fcap, sliding_window);
   };
@@ -374,10 +393,16 @@ void decode_dispatch(const float* q_ptr, const Cache* k_ptr, const Cache* v_ptr,
   }
 }
 
+// q: contiguous float32 on the CPU, or bfloat16 where `bf16_query` allows it
 void check_decode_inputs(const at::Tensor& q, const at::Tensor& k_cache,
                          const at::Tensor& v_cache, const at::Tensor& block_tables,
-                         const at::Tensor& kv_lens, int64_t sliding_window, double softcap) {
-  check_cpu_f32(q, "q");
+                         const at::Tensor& kv_lens, int64_t sliding_window, double softcap,
+                         bool bf16_query = false) {
+  if (bf16_query && q.scalar_type() == at::kBFloat16) {
+    TORCH_CHECK(q.device().is_cpu() && q.is_contiguous(), "q must be a contiguous CPU tensor");
+  } else {
+    check_cpu_f32(q, "q");
+  }
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous(),
               "block_tables must be contiguous int32");
   TORCH_CHECK(kv_lens.scalar_type() == at::kInt && kv_lens.is_contiguous(),
@@ -439,9 +464,10 @@ at::Tensor paged_decode_attention_int8(const at::Tensor& q, const at::Tensor& k_
   return out;
 }
 
-// The same over a bfloat16 cache (the model's bfloat16 forward): k/v_cache bfloat16, q float32;
-// the keys and values are widened to float32 as they are read, so scores, softmax and the
-// weighted sum are float32 throughout.
+// The same over a bfloat16 cache (the model's bfloat16 forward): k/v_cache bfloat16, q float32 or
+// bfloat16, the result in q's dtype; queries, keys and values are widened to float32 as they are
+// read, so scores, softmax and the weighted sum are float32 throughout, and a bfloat16 result is
+// the float32 one rounded to nearest even.
 at::Tensor paged_decode_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache,
                                        const at::Tensor& v_cache, const at::Tensor& block_tables,
                                        const at::Tensor& kv_lens, double scale,
@@ -450,14 +476,20 @@ at::Tensor paged_decode_attention_bf16(const at::Tensor& q, const at::Tensor& k_
     TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kBFloat16 && t->is_contiguous(),
                 "k_cache and v_cache must be contiguous bfloat16 CPU tensors");
   }
-  check_decode_inputs(q, k_cache, v_cache, block_tables, kv_lens, sliding_window, softcap);
+  check_decode_inputs(q, k_cache, v_cache, block_tables, kv_lens, sliding_window, softcap, true);
   auto out = at::empty_like(q);
-  decode_dispatch<at::BFloat16>(
-      q.data_ptr<float>(), k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(),
-      nullptr, nullptr, block_tables.data_ptr<int32_t>(), kv_lens.data_ptr<int32_t>(),
-      out.data_ptr<float>(), q.size(0), q.size(1), k_cache.size(2), q.size(2), k_cache.size(1),
-      block_tables.size(1), static_cast<float>(scale), static_cast<float>(softcap),
-      sliding_window);
+  auto run = [&](auto* q_ptr, auto* out_ptr) {
+    decode_dispatch<at::BFloat16>(
+        q_ptr, k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(), nullptr,
+        nullptr, block_tables.data_ptr<int32_t>(), kv_lens.data_ptr<int32_t>(), out_ptr,
+        q.size(0), q.size(1), k_cache.size(2), q.size(2), k_cache.size(1), block_tables.size(1),
+        static_cast<float>(scale), static_cast<float>(softcap), sliding_window);
+  };
+  if (q.scalar_type() == at::kBFloat16) {
+    run(q.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>());
+  } else {
+    run(q.data_ptr<float>(), out.data_ptr<float>());
+  }
   return out;
 }
 
@@ -557,6 +589,7 @@ void register_gguf_ops(py::module& m);  // gguf_ops.cpp
 void register_sgemm_packed_ops(py::module& m);  // sgemm_packed_ops.cpp
 void register_prefill_attention_ops(py::module& m);  // prefill_attention_ops.cpp
 void register_bf16_ops(py::module& m);  // bf16_ops.cpp
+void register_decode_loop_ops(py::module& m);  // decode_loop_ops.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_w8a8_ops(m);
@@ -568,6 +601,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_sgemm_packed_ops(m);
   register_prefill_attention_ops(m);
   register_bf16_ops(m);
+  register_decode_loop_ops(m);
   m.def("argmax_rows", &argmax_rows, release_gil(),
         "first index of each row's maximum (float32 [M, N])",
         py::arg("x"));
@@ -584,7 +618,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("block_tables"), py::arg("kv_lens"), py::arg("scale"),
         py::arg("sliding_window") = 0, py::arg("softcap") = 0.0);
   m.def("paged_decode_attention_bf16", &paged_decode_attention_bf16, release_gil(),
-        "decode attention over the paged bfloat16 KV cache (float32 queries, CPU)", py::arg("q"),
+        "decode attention over the paged bfloat16 KV cache (float32 or bfloat16 queries, CPU)", py::arg("q"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("kv_lens"),
         py::arg("scale"), py::arg("sliding_window") = 0, py::arg("softcap") = 0.0);
 }

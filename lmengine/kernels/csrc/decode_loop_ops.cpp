@@ -1,0 +1,188 @@
+// The decoder layers of a Llama-shaped model at a small decode step, as one native call.
+//
+// At one to a few rows a decode step's kernels are short (a SmolLM2 layer's GEMVs take tens of
+// microseconds), and the Python between them (module calls, dispatch, argument checks, ~13
+// kernel calls per layer) cost about a third of a single-stream step on the GGUF blocks. This
+// loop calls the very kernels the patched modules call, in the same order with the same
+// arguments (so the results are bit-identical), without returning to Python between layers.
+// lmengine/models/decode_loop.py decides when a step may take it and builds it from the
+// model's modules.
+
+#include <torch/extension.h>
+
+#include <cstdint>
+#include <tuple>
+#include <vector>
+
+#include "bindings.h"
+
+// the kernels the patched modules call, defined in the other sources of this module
+at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias);
+at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& w,
+                     const c10::optional<at::Tensor>& bias);
+at::Tensor gguf_gemv(const at::Tensor& x, const at::Tensor& w, int64_t qtype,
+                     const c10::optional<at::Tensor>& bias);
+std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& weight,
+                                            double eps, const c10::optional<at::Tensor>& residual);
+std::tuple<at::Tensor, at::Tensor> bf16_rms_norm(const at::Tensor& x, const at::Tensor& weight,
+                                                 double eps,
+                                                 const c10::optional<at::Tensor>& residual);
+at::Tensor silu_mul(const at::Tensor& gate_up);
+at::Tensor bf16_silu_mul(const at::Tensor& gate_up);
+at::Tensor rotary_fill_kv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                          const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
+                          at::Tensor& v_cache, const at::Tensor& slot_mapping);
+at::Tensor rotary_fill_kv_bf16(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                               const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
+                               at::Tensor& v_cache, const at::Tensor& slot_mapping);
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                                  const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                  const at::Tensor& kv_lens, double scale,
+                                  int64_t sliding_window, double softcap);
+at::Tensor paged_decode_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache,
+                                       const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                       const at::Tensor& kv_lens, double scale,
+                                       int64_t sliding_window, double softcap);
+
+namespace {
+
+// What the weights are, and so which kernels run: float32 (activations float32), bfloat16
+// (activations bfloat16, attention computed in float32) or GGUF blocks (activations float32).
+enum class Weights : int64_t { kFloat32 = 0, kBFloat16 = 1, kGGUF = 2 };
+
+struct Linear {
+  at::Tensor weight;  // [N, K] float32 / bfloat16, or GGUF blocks [N, row bytes]
+  c10::optional<at::Tensor> bias;
+  int64_t qtype;  // the GGUF block type; unused otherwise
+};
+
+struct Layer {
+  Linear qkv, o, gate_up, down;
+  at::Tensor input_norm, post_norm;  // RMSNorm weights [hidden]
+};
+
+class DecodeLoop {
+ public:
+  // Per layer, in this order: the weights of qkv, o, gate_up, down (float or GGUF blocks),
+  // then the input and post-attention RMSNorm weights: 6 tensors. `biases` and `qtypes`: 4
+  // per layer, in the linears' order.
+  DecodeLoop(int64_t weights, const std::vector<at::Tensor>& tensors,
+             const std::vector<c10::optional<at::Tensor>>& biases,
+             const std::vector<int64_t>& qtypes, double eps, int64_t q_size, int64_t kv_size,
+             double scale)
+      : weights_(static_cast<Weights>(weights)),
+        eps_(eps),
+        q_size_(q_size),
+        kv_size_(kv_size),
+        scale_(scale) {
+    TORCH_CHECK(weights >= 0 && weights <= 2, "DecodeLoop: unknown weights kind ", weights);
+    const size_t n = tensors.size() / 6;
+    TORCH_CHECK(tensors.size() == 6 * n && biases.size() == 4 * n && qtypes.size() == 4 * n,
+                "DecodeLoop: 6 tensors, 4 biases and 4 qtypes per layer");
+    for (size_t i = 0; i < n; ++i) {
+      auto linear = [&](size_t j) {
+        return Linear{tensors[6 * i + j], biases[4 * i + j], qtypes[4 * i + j]};
+      };
+      layers_.push_back(
+          Layer{linear(0), linear(1), linear(2), linear(3), tensors[6 * i + 4], tensors[6 * i + 5]});
+    }
+  }
+
+  // hidden [T, hidden] (the embeddings), cos/sin [T, head_dim], slot_mapping [T], block_tables
+  // and kv_lens of the step's decode group; the caches of every layer. Returns (hidden states,
+  // residual stream) after the last layer: the final norm adds them.
+  std::tuple<at::Tensor, at::Tensor> run(const at::Tensor& hidden, const at::Tensor& cos,
+                                         const at::Tensor& sin, const at::Tensor& slot_mapping,
+                                         const at::Tensor& block_tables,
+                                         const at::Tensor& kv_lens,
+                                         std::vector<at::Tensor> k_caches,
+                                         std::vector<at::Tensor> v_caches) const {
+    TORCH_CHECK(k_caches.size() == layers_.size() && v_caches.size() == layers_.size(),
+                "DecodeLoop.run: one k and one v cache per layer");
+    const int64_t rows = hidden.size(0);
+    at::Tensor h = hidden, residual, normed;
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      const Layer& layer = layers_[i];
+      if (i == 0) {
+        normed = std::get<0>(norm(h, layer.input_norm, c10::nullopt));
+        residual = h;
+      } else {
+        std::tie(normed, residual) = norm(h, layer.input_norm, residual);
+      }
+      const at::Tensor qkv = apply(layer.qkv, normed);
+      const at::Tensor q = qkv.narrow(1, 0, q_size_);
+      const at::Tensor k = qkv.narrow(1, q_size_, kv_size_);
+      const at::Tensor v = qkv.narrow(1, q_size_ + kv_size_, kv_size_);
+      const at::Tensor attn = attend(q, k, v, cos, sin, k_caches[i], v_caches[i], slot_mapping,
+                                     block_tables, kv_lens);
+      const at::Tensor o = apply(layer.o, attn.view({rows, -1}));
+      std::tie(normed, residual) = norm(o, layer.post_norm, residual);
+      const at::Tensor gate_up = apply(layer.gate_up, normed);
+      h = apply(layer.down, bf16() ? bf16_silu_mul(gate_up) : silu_mul(gate_up));
+    }
+    return {h, residual};
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+ private:
+  bool bf16() const { return weights_ == Weights::kBFloat16; }
+
+  at::Tensor apply(const Linear& linear, const at::Tensor& x) const {
+    switch (weights_) {
+      case Weights::kFloat32:
+        return gemv(x, linear.weight, linear.bias);
+      case Weights::kBFloat16:
+        return bf16_gemv(x, linear.weight, linear.bias);
+      case Weights::kGGUF:
+        return gguf_gemv(x, linear.weight, linear.qtype, linear.bias);
+    }
+    TORCH_CHECK(false, "DecodeLoop: unknown weights kind");
+  }
+
+  std::tuple<at::Tensor, at::Tensor> norm(const at::Tensor& x, const at::Tensor& weight,
+                                          const c10::optional<at::Tensor>& residual) const {
+    return bf16() ? bf16_rms_norm(x, weight, eps_, residual) : rms_norm(x, weight, eps_, residual);
+  }
+
+  // rotary on q and k fused with the cache write, then decode attention over the cache; as
+  // PagedAttentionMixin.paged_attend and paged_attention_cpu do it for a decode-only group
+  at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                    const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
+                    at::Tensor& v_cache, const at::Tensor& slot_mapping,
+                    const at::Tensor& block_tables, const at::Tensor& kv_lens) const {
+    if (!bf16()) {
+      const at::Tensor rotated =
+          rotary_fill_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping);
+      return paged_decode_attention(rotated, k_cache, v_cache, block_tables, kv_lens, scale_, 0,
+                                    0.0);
+    }
+    const at::Tensor rotated =
+        rotary_fill_kv_bf16(q, k, v, cos, sin, k_cache, v_cache, slot_mapping);
+    return paged_decode_attention_bf16(rotated, k_cache, v_cache, block_tables, kv_lens, scale_,
+                                       0, 0.0);
+  }
+
+  Weights weights_;
+  double eps_;
+  int64_t q_size_, kv_size_;
+  double scale_;
+  std::vector<Layer> layers_;
+};
+
+}  // namespace
+
+void register_decode_loop_ops(py::module& m) {
+  py::class_<DecodeLoop>(m, "DecodeLoop",
+                         "the decoder layers of a Llama-shaped model at a decode step of a few "
+                         "rows, in one call (models/decode_loop.py builds it)")
+      .def(py::init<int64_t, const std::vector<at::Tensor>&,
+                    const std::vector<c10::optional<at::Tensor>>&, const std::vector<int64_t>&,
+                    double, int64_t, int64_t, double>(),
+           py::arg("weights"), py::arg("tensors"), py::arg("biases"), py::arg("qtypes"),
+           py::arg("eps"), py::arg("q_size"), py::arg("kv_size"), py::arg("scale"))
+      .def("run", &DecodeLoop::run, release_gil(), py::arg("hidden"), py::arg("cos"),
+           py::arg("sin"), py::arg("slot_mapping"), py::arg("block_tables"), py::arg("kv_lens"),
+           py::arg("k_caches"), py::arg("v_caches"))
+      .def_property_readonly("num_layers", &DecodeLoop::num_layers);
+}

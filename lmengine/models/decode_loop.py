@@ -1,0 +1,212 @@
+"""A decode step's decoder layers as one compiled call (csrc/decode_loop_ops.cpp).
+
+At a single-stream or small-batch decode step the kernels of a layer are short and the Python
+around them (module calls, argument checks, ~13 kernel calls per layer) is a large part of the
+step. `run_decode_layers` runs the layers of a patched Llama-shaped model in one native call
+instead: the same kernels in the same order with the same arguments, so the hidden states are
+bit-identical to the modules' forward. It applies when
+
+- every layer is the patched Llama layer as it is (fused q/k/v and gate/up, SwiGLU, full
+  rotary, no q/k norm, sliding window or soft-cap, no LoRA, w8a8 or tensor-parallel wrapper,
+  no forward hooks on any of its modules), with float32 or bfloat16 weights that the compiled
+  GEMVs take, or GGUF blocks of one type per linear;
+- the step is decode only (one token per sequence, in order), with at most as many rows as the
+  GEMVs serve (float32 and GGUF: 8, bfloat16: 3), no research hooks and a float cache;
+- the compiled kernels are built and `LMENGINE_DECODE_LOOP` is not `0`.
+
+Anything else runs the modules. The loop holds references to the weights; it is rebuilt when a
+module's class or a weight is replaced (LoRA, re-quantisation, loading new weights), which each
+step checks (~30 us for SmolLM2's 30 layers).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers.activations import SiLUActivation
+
+from lmengine.kernels import cpu_ext
+from lmengine.kernels.gguf import MAX_GEMV_ROWS as _GGUF_GEMV_ROWS
+from lmengine.kernels.linear import _MAX_BF16_GEMV_ROWS, _MAX_GEMV_ROWS, _bf16_gemv_built
+from lmengine.models.attention import PagedAttentionMixin
+from lmengine.models.context import StepContext
+from lmengine.models.layers import GGUFLinear, MergedLinear, PackedLinear
+
+_FLOAT32, _BFLOAT16, _GGUF = 0, 1, 2  # DecodeLoop's weights kinds
+_MAX_ROWS = {_FLOAT32: _MAX_GEMV_ROWS, _BFLOAT16: _MAX_BF16_GEMV_ROWS, _GGUF: _GGUF_GEMV_ROWS}
+_ACTIVATIONS = {_FLOAT32: torch.float32, _BFLOAT16: torch.bfloat16, _GGUF: torch.float32}
+_K_MULTIPLE = {_FLOAT32: 16, _BFLOAT16: 32, _GGUF: 1}  # the GEMVs' input width (GGUF: checked)
+
+
+def is_enabled() -> bool:
+    return os.environ.get("LMENGINE_DECODE_LOOP", "1") != "0"
+
+
+class _Built:
+    """A DecodeLoop over some layers and what it was built from: `still_valid` is True while
+    every module has the class and the weights it had then."""
+
+    def __init__(self, loop, kind: int, modules: list[nn.Module], tensors: list) -> None:
+        self.loop, self.kind = loop, kind
+        self.modules = modules
+        self.classes = [type(m) for m in modules]
+        self.tensors = tensors  # (module, attribute, tensor) the loop holds
+
+    def still_valid(self) -> bool:
+        if any(type(m) is not c for m, c in zip(self.modules, self.classes)):
+            return False
+        return all(getattr(m, name) is t for m, name, t in self.tensors)
+
+    def hooked(self) -> bool:
+        """Whether a forward hook would see one of the modules (then the modules run)."""
+        hooks = nn.modules.module
+        if hooks._global_forward_hooks or hooks._global_forward_pre_hooks:
+            return True
+        return any(m._forward_hooks or m._forward_pre_hooks for m in self.modules)
+
+
+@dataclass(frozen=True)
+class LayerClasses:
+    """The patched classes whose methods the loop stands in for (models/llama.py's)."""
+
+    layer: type
+    attention: type
+    mlp: type
+    norm: type
+
+
+def run_decode_layers(
+    layers: list[nn.Module],
+    hidden_states: torch.Tensor,
+    ctx: StepContext,
+    owner: nn.Module,
+    classes: LayerClasses,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(hidden states, residual) after `layers` in one compiled call, or None when this step or
+    these layers do not take it (the caller then runs the modules). `owner` keeps the built
+    loop between steps; a layer takes it only with `classes`' own methods."""
+    if not is_enabled() or ctx.hooks is not None or hidden_states.is_cuda:
+        return None
+    groups = ctx.attn_meta.groups
+    if len(groups) != 1 or groups[0].decode_tables is None or not groups[0].is_identity:
+        return None
+    if ctx.cos is None or any(len(cache) != 2 for cache in ctx.kv_caches):
+        return None  # no rotary, or an int8 cache (its scales ride along)
+    built = owner.__dict__.get("_lmengine_decode_loop")
+    if built is None or (built is not False and not built.still_valid()):
+        built = _build(layers, classes) or False  # False: these layers never take it
+        owner.__dict__["_lmengine_decode_loop"] = built
+    if built is False or built.hooked() or not _step_fits(built, hidden_states, ctx):
+        return None
+    group = groups[0]
+    return built.loop.run(
+        hidden_states,
+        ctx.cos.contiguous(),
+        ctx.sin.contiguous(),
+        ctx.slot_mapping,
+        group.decode_tables,
+        group.decode_kv_lens,
+        [cache[0] for cache in ctx.kv_caches[: len(layers)]],
+        [cache[1] for cache in ctx.kv_caches[: len(layers)]],
+    )
+
+
+def _step_fits(built: _Built, hidden_states: torch.Tensor, ctx: StepContext) -> bool:
+    dtype = _ACTIVATIONS[built.kind]
+    k_cache = ctx.kv_caches[0][0]
+    return (
+        1 <= hidden_states.shape[0] <= _MAX_ROWS[built.kind]
+        and hidden_states.dtype == dtype
+        and ctx.cos.dtype == dtype
+        and k_cache.dtype == dtype
+        and ctx.cos.shape[-1] == k_cache.shape[-1]  # full rotary
+    )
+
+
+def _build(layers: list[nn.Module], classes: LayerClasses) -> _Built | None:
+    """The DecodeLoop of these layers, or None when some layer is not the plain patched Llama
+    layer with weights the compiled GEMVs take."""
+    ext = cpu_ext.load()
+    if ext is None or not layers:
+        return None
+    kinds, modules, tensors, biases, qtypes, eps, scales = set(), [], [], [], [], set(), set()
+    for i, layer in enumerate(layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        if not (
+            _same(layer, classes.layer, "forward", "norm_input")
+            and _same(attn, classes.attention, "forward")
+            and _same(attn, PagedAttentionMixin, "paged_attend", "norm_qk")
+            and attn.layer_idx == i  # the loop hands layer i the i-th cache
+            and attn.sliding_window is None
+            and attn.attn_logit_softcapping is None
+            and _same(mlp, classes.mlp, "forward", "act_mul", "fuses_silu_mul")
+            and isinstance(mlp.act_fn, (SiLUActivation, nn.SiLU))
+            and mlp.gate_up_proj.output_sizes[0] * 2 == mlp.gate_up_proj.out_features
+            and all(_same(norm, classes.norm, "forward") for norm in norms)
+            and len(attn.qkv_proj.output_sizes) == 3
+        ):
+            return None
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        for linear in linears:
+            kind = _linear_kind(linear, ext)
+            if kind is None:
+                return None
+            kinds.add(kind)
+            name = "blocks0" if kind == _GGUF else "weight"
+            tensors.append((linear, name, getattr(linear, name)))
+            biases.append(linear.bias)
+            qtypes.append(linear.qtypes[0] if kind == _GGUF else -1)
+        tensors += [(norm, "weight", norm.weight) for norm in norms]
+        eps.update(norm.variance_epsilon for norm in norms)
+        scales.add(attn.scaling)
+        modules += [layer, attn, mlp, *norms, *linears]
+    q_size, kv_size, _ = layers[0].self_attn.qkv_proj.output_sizes
+    if len(kinds) != 1 or len(eps) != 1 or len(scales) != 1:
+        return None
+    if any(layer.self_attn.qkv_proj.output_sizes != [q_size, kv_size, kv_size] for layer in layers):
+        return None
+    (kind,) = kinds
+    loop = ext.DecodeLoop(
+        kind,
+        [t for _, _, t in tensors],
+        biases,
+        qtypes,
+        eps.pop(),
+        q_size,
+        kv_size,
+        scales.pop(),
+    )
+    return _Built(loop, kind, modules, tensors)
+
+
+def _same(module: nn.Module, cls: type, *names: str) -> bool:
+    """`module`'s class has `cls`'s own `names` (a subclass may, as long as it overrides none)."""
+    return isinstance(module, cls) and all(
+        getattr(type(module), name) is getattr(cls, name) for name in names
+    )
+
+
+def _linear_kind(linear: nn.Module, ext) -> int | None:
+    """What the compiled loop runs this linear as, or None if it cannot (then the modules run)."""
+    if type(linear) is GGUFLinear:
+        return _GGUF if len(linear.qtypes) == 1 and linear.blocks0.is_contiguous() else None
+    if type(linear) not in (PackedLinear, MergedLinear) or linear.packed is None:
+        return None
+    weight = linear.weight
+    if not weight.is_contiguous() or weight.device.type != "cpu":
+        return None
+    if weight.dtype == torch.float32:
+        kind = _FLOAT32
+    elif weight.dtype == torch.bfloat16 and _bf16_gemv_built(ext):
+        kind = _BFLOAT16
+    else:
+        return None
+    if linear.in_features % _K_MULTIPLE[kind] or (
+        linear.bias is not None and linear.bias.dtype != weight.dtype
+    ):
+        return None
+    return kind

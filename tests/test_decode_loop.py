@@ -1,0 +1,136 @@
+"""The compiled decode loop (models/decode_loop.py): small decode steps run every layer in one
+native call and give bit-identical log-probabilities to the modules' forward, in float32,
+bfloat16 and on GGUF blocks; steps and models it does not serve (more rows than the GEMVs take,
+LoRA, research hooks, an int8 cache, forward hooks, a replaced weight) run the modules or a
+rebuilt loop, and stay exact."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from lmengine import Engine, EngineConfig, GenerationConfig
+from lmengine.kernels import cpu_ext
+from lmengine.models import llama
+from tests.engine_utils import random_prompts, run_threads
+from tests.test_gguf_models import write_llama_gguf
+
+pytestmark = pytest.mark.skipif(cpu_ext.load() is None, reason="needs the compiled CPU kernels")
+
+GEN = GenerationConfig(max_new_tokens=8, logprobs=2)
+
+
+@pytest.fixture
+def loop_calls(monkeypatch):
+    """How many forwards took the loop (a list of their row counts)."""
+    rows: list[int] = []
+    real = llama.run_decode_layers
+
+    def counted(layers, hidden_states, ctx, owner, classes):
+        out = real(layers, hidden_states, ctx, owner, classes)
+        if out is not None:
+            rows.append(hidden_states.shape[0])
+        return out
+
+    monkeypatch.setattr(llama, "run_decode_layers", counted)
+    return rows
+
+
+def generate(path, cfg: EngineConfig, prompts, gen=GEN):
+    """(token ids, logprobs) of every prompt, all submitted before the first step."""
+    with Engine.from_pretrained(path, cfg) as engine:
+        out = run_threads(engine, prompts, gen, together=True)
+        engine.check_integrity()
+    return [(r.token_ids, r.logprobs) for r in out]
+
+
+def with_and_without_loop(monkeypatch, path, cfg, prompts):
+    monkeypatch.setenv("LMENGINE_DECODE_LOOP", "0")
+    modules = generate(path, cfg, prompts)
+    monkeypatch.setenv("LMENGINE_DECODE_LOOP", "1")
+    return modules, generate(path, cfg, prompts)
+
+
+@pytest.mark.parametrize(
+    "dtype, batch, looped",
+    [
+        ("float32", 1, True),
+        ("float32", 5, True),  # the float32 GEMV serves up to 8 rows
+        ("bfloat16", 1, True),
+        ("bfloat16", 3, True),
+        ("bfloat16", 5, False),  # 4+ rows: oneDNN's tiles, the modules' path
+    ],
+)
+def test_the_loop_gives_the_modules_logprobs(
+    monkeypatch, loop_calls, tiny_llama_path, dtype, batch, looped
+):
+    if dtype == "bfloat16" and not cpu_ext.load().bf16_gemv_available():
+        pytest.skip("the bfloat16 GEMV needs AVX-512")
+    prompts = random_prompts([3, 17, 9, 30, 5][:batch], 49152, seed=batch)
+    cfg = EngineConfig(dtype=dtype, block_size=4, num_gpu_blocks=64)
+    modules, looped_out = with_and_without_loop(monkeypatch, tiny_llama_path, cfg, prompts)
+    assert looped_out == modules  # token ids and every logprob, bit for bit
+    assert bool(loop_calls) == looped
+    if looped:
+        assert max(loop_calls) == batch
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0])
+def test_the_loop_on_gguf_blocks(monkeypatch, loop_calls, tmp_path, smollm2_path, qtype):
+    from tests.conftest import save_tiny_llama
+
+    hf = save_tiny_llama(tmp_path / "hf", smollm2_path, seed=3, tie_word_embeddings=True)
+    parts = ["attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"]
+    qtypes = {"token_embd": Q.Q8_0, **{part: qtype for part in parts}}
+    path = write_llama_gguf(tmp_path / "tiny.gguf", hf, qtypes)
+    prompts = random_prompts([4, 11], 49152, seed=1)
+    cfg = EngineConfig(quant_policy="gguf", block_size=4, num_gpu_blocks=64)
+    modules, looped_out = with_and_without_loop(monkeypatch, path, cfg, prompts)
+    assert looped_out == modules
+    assert loop_calls and max(loop_calls) == 2
+
+
+def test_not_taken_with_an_int8_cache_or_research_hooks(monkeypatch, loop_calls, tiny_llama_path):
+    prompts = random_prompts([5, 8], 49152, seed=2)
+    int8 = EngineConfig(dtype="float32", kv_cache_dtype="int8", num_gpu_blocks=64)
+    generate(tiny_llama_path, int8, prompts)
+    hidden = GenerationConfig(max_new_tokens=4, output_hidden_states=[1])
+    generate(tiny_llama_path, EngineConfig(dtype="float32"), prompts, gen=hidden)
+    assert loop_calls == []
+
+
+def test_forward_hooks_and_replaced_weights_are_seen(monkeypatch, loop_calls, tiny_llama_path):
+    """A forward hook registered after the loop was built runs (the modules take the step); a
+    weight replaced afterwards is what the rebuilt loop computes with."""
+    prompt = random_prompts([6], 49152, seed=4)
+    cfg = EngineConfig(dtype="float32", num_gpu_blocks=64)
+    with Engine.from_pretrained(tiny_llama_path, cfg) as engine:
+        inst = engine.create_instance()
+        model = engine.model_agent.runner.model
+        first = inst.infer(1, prompt[0], gen_config=GEN)
+        assert loop_calls  # built and used
+        loop_calls.clear()
+        seen = []
+        handle = model.model.layers[1].mlp.register_forward_hook(lambda m, a, o: seen.append(1))
+        assert inst.infer(2, prompt[0], gen_config=GEN).logprobs == first.logprobs
+        handle.remove()
+        assert seen and not loop_calls  # every step ran the modules while the hook was there
+
+        down = model.model.layers[0].mlp.down_proj
+        down.weight = torch.nn.Parameter(down.weight * 0.5, requires_grad=False)
+        down.repack()
+        changed = inst.infer(3, prompt[0], gen_config=GEN)
+        assert loop_calls  # the loop was rebuilt with the new weight
+        monkeypatch.setenv("LMENGINE_DECODE_LOOP", "0")
+        assert inst.infer(4, prompt[0], gen_config=GEN).logprobs == changed.logprobs
+        assert changed.logprobs != first.logprobs
+        engine.check_integrity()
+
+
+def test_lora_steps_run_the_modules(monkeypatch, loop_calls, tiny_llama_path, adapter_paths):
+    name, folder = next(iter(adapter_paths.items()))
+    cfg = EngineConfig(dtype="float32", adapters={name: folder}, num_gpu_blocks=64)
+    prompts = random_prompts([5, 7], 49152, seed=6)
+    generate(tiny_llama_path, cfg, prompts)
+    assert loop_calls == []  # the linears are LoRA linears now
