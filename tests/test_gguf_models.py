@@ -52,6 +52,15 @@ def converter_row_order(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, 2, rows // num_heads // 2, -1).swapaxes(1, 2).reshape(rows, -1)
 
 
+def add_smollm2_tokenizer(writer: gguf.GGUFWriter) -> None:
+    """The tokenizer fields of lmengine's default GGUF file (SmolLM2's), copied into `writer`."""
+    for field in gguf.GGUFReader(str(default_gguf_path())).fields.values():
+        if field.name.startswith("tokenizer."):
+            vtype = field.types[0]
+            sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+            writer.add_key_value(field.name, field.contents(), vtype, sub_type=sub)
+
+
 def write_llama_gguf(path, hf_folder: str, qtypes: dict) -> str:
     """The transformers Llama in `hf_folder` as a GGUF file at `path`, its linears, embedding
     and (untied) output head quantized by the gguf package as `qtypes` says, its norms float32,
@@ -72,11 +81,7 @@ def write_llama_gguf(path, hf_folder: str, qtypes: dict) -> str:
     writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     writer.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
     writer.add_vocab_size(cfg.vocab_size)
-    for field in gguf.GGUFReader(str(default_gguf_path())).fields.values():
-        if field.name.startswith("tokenizer."):
-            vtype = field.types[0]
-            sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
-            writer.add_key_value(field.name, field.contents(), vtype, sub_type=sub)
+    add_smollm2_tokenizer(writer)
 
     rng = np.random.default_rng(0)
 
