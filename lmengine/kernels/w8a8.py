@@ -10,10 +10,17 @@ Numerics (all paths):
 Each op has a PyTorch reference (`*_ref`), a CPU path and a Triton kernel on CUDA
 (`lmengine.kernels.triton.w8a8`). The public functions dispatch on the device of their inputs.
 The CPU path is the compiled kernels of `csrc/w8a8_ops.cpp` (one call per quantization or
-linear, bit-identical to the references; the GEMM is `torch._int_mm`, which uses VNNI int8
-dot products on this CPU; the fused RMSNorm + quantization sums its squares in its own order,
-as the Triton kernel does, so it may land one int8 step from the reference on a rounding
-boundary), or vectorised eager torch where they are not built.
+linear, bit-identical to the references; the GEMM is `torch._int_mm`, oneDNN's int8 matmul on
+a packed weight, or on CPUs with AMX-INT8 oneDNN's brgemm microkernel on a weight packed for
+the tiles; the fused RMSNorm + quantization sums its squares in its own order, as the Triton
+kernel does, so it may land one int8 step from the reference on a rounding boundary), or
+vectorised eager torch where they are not built.
+
+bfloat16 activations (a w8a8 model computing in bfloat16): the quantization reads bfloat16
+rows (widened exactly, so bit-identical to the reference's `x.to(float32)`), the epilogue
+computes in float32 as above and rounds once to bfloat16 (bit-identical to `dequant_ref`), and
+the fused RMSNorm / SwiGLU + quantization round to bfloat16 where transformers' bfloat16 ops
+round, then quantize that row (within one int8 step of the reference on rounding boundaries).
 """
 
 from __future__ import annotations
@@ -26,6 +33,8 @@ from lmengine.kernels.rms_norm import compiled_norm_takes, rms_norm_cpu
 from lmengine.kernels.w8a8_checks import check_gemm, check_rows
 
 QMAX = 127
+# from this many rows `int8_gemm` takes the AMX-INT8 GEMM where the weight was packed for it
+AMX_MIN_ROWS = 2
 _MIN_AMAX = 1e-8  # an all-zero row quantizes to zeros with a tiny, finite scale
 
 
@@ -41,14 +50,17 @@ def per_token_quant_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def per_token_quant_cpu(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Bit-identical to the reference: the compiled kernel, else eager torch in fewer passes
-    (no clamp: |x| * 127 / max|x| <= 127 rounds to at most 127; the rounding in place).
+    """Bit-identical to the reference: the compiled kernel (float32 or bfloat16 rows), else
+    eager torch in fewer passes (no clamp: |x| * 127 / max|x| <= 127 rounds to at most 127;
+    the rounding in place).
     NOTE: `abs().amax()` is kept over `vector_norm(inf)`, which was 7x slower here."""
-    if x.dtype != torch.float32:
+    if x.dtype not in (torch.float32, torch.bfloat16):
         return per_token_quant_ref(x)
     ops = cpu_ext.load()
     if ops is not None:
         return ops.w8a8_quant(x)
+    if x.dtype != torch.float32:
+        return per_token_quant_ref(x)
     amax = x.abs().amax(dim=-1, keepdim=True)  # [num_tokens, 1]
     amax.clamp_(min=_MIN_AMAX)
     q = torch.mul(x, QMAX / amax).round_().to(torch.int8)  # [num_tokens, hidden]
@@ -110,8 +122,9 @@ def rms_norm_quant(
 
 def silu_mul_quant_cpu(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """`silu_mul_ref` quantized per token ((q, scale) as `per_token_quant`) in one compiled
-    pass (silu within a few ulp of torch's); None where the compiled kernels cannot take it
-    (not float32 CPU rows, or not built). The float product alone is `activation.silu_mul`."""
+    pass (silu within a few ulp of torch's; in bfloat16 rounded where torch's bfloat16 silu and
+    multiply round); None where the compiled kernels cannot take it (not float32 or bfloat16
+    CPU rows, or not built). The float product alone is `activation.silu_mul`."""
     if not silu_mul_compiled_takes(gate_up):
         return None
     ops = cpu_ext.load()
@@ -170,6 +183,16 @@ def pack_int8_weight(w_q: torch.Tensor) -> torch.Tensor | None:
     return None if ops is None else ops.w8a8_pack(w_q)
 
 
+def pack_int8_weight_amx(w_q: torch.Tensor) -> torch.Tensor | None:
+    """w_q [N, K] int8 in blocks for the AMX-INT8 GEMM (`int8_gemm(packed_amx=...)`: oneDNN's
+    brgemm microkernel, int8 x int8 on the tiles), or None where that GEMM does not run: no
+    AMX-INT8, K not a multiple of 4, or the compiled kernels are missing."""
+    if w_q.is_cuda or w_q.dtype != torch.int8 or w_q.dim() != 2:
+        return None
+    ops = cpu_ext.load()
+    return None if ops is None else ops.w8a8_vnni_pack(w_q)
+
+
 def int8_gemm(
     a_q: torch.Tensor,
     a_scale: torch.Tensor,
@@ -178,9 +201,11 @@ def int8_gemm(
     bias: torch.Tensor | None = None,
     out_dtype: torch.dtype = torch.float32,
     packed: torch.Tensor | None = None,
+    packed_amx: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """int8 GEMM with int32 accumulation and a dequantizing epilogue; see `int8_gemm_ref`.
-    `packed`: `pack_int8_weight(w_q)`, which the CPU path uses from 2 rows on (same result)."""
+    `packed`: `pack_int8_weight(w_q)`, which the CPU path uses from 2 rows on; `packed_amx`:
+    `pack_int8_weight_amx(w_q)`, which it prefers from `AMX_MIN_ROWS` rows on (same result)."""
     check_gemm(a_q, a_scale, w_q, w_scale, "int8_gemm")
     if a_q.is_cuda:
         from lmengine.kernels.triton.w8a8 import int8_gemm_triton
@@ -189,8 +214,12 @@ def int8_gemm(
     if a_q.shape[0] == 0:
         return torch.empty(0, w_q.shape[0], dtype=out_dtype)
     ops = cpu_ext.load()
-    if ops is not None and out_dtype == torch.float32 and _float32_or_none(bias):
-        return ops.w8a8_linear(a_q, a_scale, w_q, w_scale, bias, packed)
+    if ops is not None and _compiled_epilogue_takes(out_dtype, bias):
+        bf16_out = out_dtype == torch.bfloat16
+        if packed_amx is not None and a_q.shape[0] >= AMX_MIN_ROWS:
+            n = w_q.shape[0]
+            return ops.w8a8_vnni_linear(a_q, a_scale, packed_amx, n, w_scale, bias, bf16_out)
+        return ops.w8a8_linear(a_q, a_scale, w_q, w_scale, bias, packed, bf16_out)
     acc = int8_mm_cpu(a_q, w_q)  # [M, N] int32
     out = torch.mul(acc, a_scale)  # int32 * f32 -> f32 [M, N]
     out.mul_(w_scale)
@@ -199,8 +228,11 @@ def int8_gemm(
     return out if out_dtype == torch.float32 else out.to(out_dtype)
 
 
-def _float32_or_none(t: torch.Tensor | None) -> bool:
-    return t is None or t.dtype == torch.float32
+def _compiled_epilogue_takes(out_dtype: torch.dtype, bias: torch.Tensor | None) -> bool:
+    """float32 or bfloat16 output, the bias (if any) of that dtype."""
+    return out_dtype in (torch.float32, torch.bfloat16) and (
+        bias is None or bias.dtype == out_dtype
+    )
 
 
 def w8a8_linear_cpu(
@@ -210,9 +242,10 @@ def w8a8_linear_cpu(
     bias: torch.Tensor | None,
     packed: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
-    """The whole linear on a float32 CPU input in one compiled call (quantize per token,
-    int8 GEMM, dequantize), or None when the compiled kernels cannot take it."""
-    if x.dtype != torch.float32 or x.dim() != 2 or not _float32_or_none(bias):
+    """The whole linear on a float32 or bfloat16 CPU input in one compiled call (quantize per
+    token, int8 GEMM, dequantize; the output in x's dtype), or None when the compiled kernels
+    cannot take it."""
+    if x.dim() != 2 or not _compiled_epilogue_takes(x.dtype, bias):
         return None
     ops = cpu_ext.load()
     return None if ops is None else ops.w8a8_linear_float(x, w_q, w_scale, bias, packed)

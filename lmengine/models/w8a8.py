@@ -15,9 +15,11 @@ import torch
 from torch import nn
 
 from lmengine.kernels.w8a8 import (
+    AMX_MIN_ROWS,
     QMAX,
     int8_gemm,
     pack_int8_weight,
+    pack_int8_weight_amx,
     per_token_quant,
     rms_norm_quant,
     silu_mul_quant_cpu,
@@ -116,28 +118,38 @@ class W8A8Linear(nn.Module):
             module.bias = linear.bias.detach().clone()
         return module
 
-    def packed_weight(self) -> torch.Tensor | None:
-        """`weight` in oneDNN's int8 matmul layout (CPU), packed again whenever `weight` is
-        replaced or changed in place (loading, sharding), else the copy made last time."""
+    def packed_weights(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(oneDNN's int8 matmul layout, the AMX-INT8 GEMM's blocks) of `weight` (CPU), packed
+        again whenever `weight` is replaced or changed in place (loading, sharding), else the
+        copies made last time. Where the AMX blocks exist they serve every row count the
+        oneDNN layout would (2 rows on), so that one is not made."""
         w = self.weight
         key = (w.data_ptr(), w._version, w.device, w.shape)
         if getattr(self, "_packed_key", None) != key:
-            self._packed = pack_int8_weight(w)
+            self._packed_amx = pack_int8_weight_amx(w)
+            self._packed = pack_int8_weight(w) if self._packed_amx is None else None
             self._packed_key = key
-        return self._packed
+        return self._packed, self._packed_amx
+
+    def packed_weight(self) -> torch.Tensor | None:
+        """`weight` in oneDNN's int8 matmul layout, or None (see `packed_weights`)."""
+        return self.packed_weights()[0]
 
     def forward(self, x: QuantizedActivation | torch.Tensor) -> torch.Tensor:
-        packed = None if self.weight.is_cuda else self.packed_weight()
+        packed, packed_amx = (None, None) if self.weight.is_cuda else self.packed_weights()
         if isinstance(x, QuantizedActivation):
             q, scale, dtype = x.data, x.scale, x.dtype
         else:
-            if not x.is_cuda:  # one compiled call: quantize, GEMM, dequantize
+            if not x.is_cuda and (packed_amx is None or x.shape[0] < AMX_MIN_ROWS):
+                # one compiled call: quantize, GEMM, dequantize
                 out = w8a8_linear_cpu(x, self.weight, self.weight_scale, self.bias, packed)
                 if out is not None:
                     return out
             q, scale = per_token_quant(x)  # [num_tokens, in] int8, [num_tokens, 1]
             dtype = x.dtype
-        return int8_gemm(q, scale, self.weight, self.weight_scale, self.bias, dtype, packed)
+        return int8_gemm(
+            q, scale, self.weight, self.weight_scale, self.bias, dtype, packed, packed_amx
+        )
 
     def split(self, out: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """[num_tokens, sum_out] -> one tensor per source linear."""
