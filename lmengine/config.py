@@ -133,7 +133,8 @@ class EngineConfig:
     (on CPU: of available RAM). Blocks live on the chosen device even when it is the CPU.
     """
 
-    # NOTE: "auto" on the CPU is float32 for int8 and GGUF-block models (float32 kernels)
+    # NOTE: "auto" on the CPU is float32 for GGUF-block models (float32 kernels); w8a8 models
+    # take bfloat16 only where the CPU also has int8 units (AMX-INT8, VNNI)
     dtype: str = "auto"  # "auto": CPU bfloat16 with AMX/AVX512-BF16, else float32; CUDA half
     device: str = "auto"  # "auto": cuda when available, else cpu
     tp: int = 1  # tensor-parallel ranks

@@ -143,8 +143,9 @@ class TestAutoDtype:
         # an explicit dtype is kept whatever the CPU
         assert loader.pick_dtype("bfloat16", torch.device("cpu"), None) == torch.bfloat16
 
-    def test_float32_for_int8_and_gguf_block_models(self, monkeypatch):
-        """Their CPU kernels compute in float32: "auto" keeps it for them."""
+    def test_float32_for_gguf_blocks_and_for_w8a8_without_int8_units(self, monkeypatch):
+        """GGUF-block kernels compute in float32: "auto" keeps it for them. A w8a8 model takes
+        bfloat16 only where the CPU also has int8 units (tests/test_w8a8_bf16.py)."""
         monkeypatch.setattr(cpu_features, "cpu_flags", lambda: frozenset({"amx_bf16"}))
         cpu = torch.device("cpu")
         for policy in ("w8a8", "gguf"):
@@ -152,7 +153,7 @@ class TestAutoDtype:
         assert loader.pick_dtype("auto", cpu, None, "float") == torch.bfloat16
 
         class QuantizedConfig:
-            quantization_config = {"quant_method": "w8a8"}
+            quantization_config = {"quant_method": "w8a8"}  # not lmengine's
 
         assert loader.pick_dtype("auto", cpu, QuantizedConfig()) == torch.float32
 

@@ -48,7 +48,8 @@ def test_checkpoint_records_quantization(tiny_w8a8_path):
 def test_lm_head_int8_by_default_float_on_request(tiny_w8a8_path, tiny_llama_path, tmp_path):
     from lmengine.models.layers import PackedLinear
 
-    with Engine.from_pretrained(tiny_w8a8_path, EngineConfig(num_gpu_blocks=8)) as engine:
+    config = EngineConfig(num_gpu_blocks=8, dtype="float32")
+    with Engine.from_pretrained(tiny_w8a8_path, config) as engine:
         model = engine.model_agent.model
         assert isinstance(model.lm_head, W8A8Linear)
         assert model.lm_head.weight.shape == model.model.embed_tokens.weight.shape
@@ -114,7 +115,8 @@ def test_roundtrip_generates_like_fake_quant_reference(tiny_w8a8_path, tiny_llam
     fake-quant float reference generates (the int8 path computes exactly the W8A8 math)."""
     prompts = random_prompts([5, 23], vocab=1000, seed=3)
     gen = GenerationConfig(max_new_tokens=NEW_TOKENS, ignore_eos=True)
-    with Engine.from_pretrained(tiny_w8a8_path, EngineConfig(block_size=4)) as engine:
+    config = EngineConfig(block_size=4, dtype="float32")  # bfloat16: tests/test_w8a8_bf16.py
+    with Engine.from_pretrained(tiny_w8a8_path, config) as engine:
         model = engine.model_agent.model
         layer = model.model.layers[0]
         assert isinstance(layer.self_attn.qkv_proj, W8A8Linear)

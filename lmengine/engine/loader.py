@@ -121,13 +121,15 @@ def pick_dtype(
     dtype: str, device: torch.device, config, quant_policy: str | None = None
 ) -> torch.dtype:
     """The dtype to compute in: `dtype` itself, or for "auto" on the CPU `cpu_auto_dtype()`
-    (float32 for int8 and GGUF-block models, whose CPU kernels compute in float32), on CUDA
-    the checkpoint's half type."""
+    (for w8a8 models `cpu_auto_dtype(int8=True)`; float32 for GGUF-block and other quantized
+    models, whose CPU kernels compute in float32), on CUDA the checkpoint's half type."""
     if dtype != "auto":
         return getattr(torch, dtype)
     if device.type == "cpu":
-        quantized = getattr(config, "quantization_config", None) is not None
-        if quantized or quant_policy in ("w8a8", "gguf"):
+        qc = getattr(config, "quantization_config", None)
+        if quant_policy == "w8a8" or _is_w8a8_config(qc):
+            return cpu_auto_dtype(int8=True)
+        if qc is not None or quant_policy == "gguf":
             return torch.float32
         return cpu_auto_dtype()
     native = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
@@ -138,10 +140,23 @@ def pick_dtype(
     return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
 
 
-def cpu_auto_dtype() -> torch.dtype:
+def _is_w8a8_config(quantization_config) -> bool:
+    """Whether a config's `quantization_config` (a dict, or an object) is lmengine's w8a8."""
+    from lmengine.quant.checkpoint import QUANT_METHOD
+
+    method = (
+        quantization_config.get("quant_method")
+        if isinstance(quantization_config, dict)
+        else getattr(quantization_config, "quant_method", None)
+    )
+    return method == QUANT_METHOD
+
+
+def cpu_auto_dtype(int8: bool = False) -> torch.dtype:
     """bfloat16 where the CPU computes it on matrix units (AMX or AVX512-BF16), as vLLM's CPU
     backend picks; float32 elsewhere, where bfloat16 is emulated and slower than float32.
-    `LMENGINE_CPU_DTYPE=float32|bfloat16` overrides the choice."""
+    `int8`: for a w8a8 model, whose int8 GEMMs also need int8 dot products (AMX-INT8 or VNNI)
+    to run bfloat16 activations. `LMENGINE_CPU_DTYPE=float32|bfloat16` overrides the choice."""
     from lmengine.kernels import cpu_features
 
     forced = os.environ.get("LMENGINE_CPU_DTYPE", "")
@@ -149,7 +164,8 @@ def cpu_auto_dtype() -> torch.dtype:
         if forced not in ("float32", "bfloat16"):
             raise ValueError(f"LMENGINE_CPU_DTYPE must be float32 or bfloat16, got {forced!r}")
         return getattr(torch, forced)
-    chosen = torch.bfloat16 if cpu_features.has_bf16_units() else torch.float32
+    units = cpu_features.has_bf16_units() and (not int8 or cpu_features.has_int8_units())
+    chosen = torch.bfloat16 if units else torch.float32
     logger.info("dtype='auto' on the CPU: %s (%s)", chosen, cpu_features.describe())
     return chosen
 

@@ -33,6 +33,11 @@ def has_bf16_units() -> bool:
     return bool(cpu_flags() & BF16_FLAGS)
 
 
+def has_int8_units() -> bool:
+    """Whether int8 dot products run natively (AMX-INT8 or VNNI)."""
+    return bool(cpu_flags() & INT8_FLAGS)
+
+
 def describe() -> str:
     """One line for logs and the CLI: which units the CPU has."""
     units = sorted(cpu_flags() & (BF16_FLAGS | INT8_FLAGS))
