@@ -109,7 +109,7 @@ def test_the_compiled_bfloat16_w8a8_paths_run(tiny_w8a8_path, monkeypatch):
     names = ["w8a8_rms_norm_quant", "w8a8_silu_mul", "rotary_fill_kv_bf16"]
     names.append("paged_decode_attention_bf16")
     if pack_int8_weight_amx(torch.zeros(16, 64, dtype=torch.int8)) is not None:
-        names.append("w8a8_vnni_linear")  # prompts (and decode batches of 2 rows on)
+        names.append("w8a8_vnni_linear")  # prompts and decode
     calls: dict[str, int] = {}
     dtypes: set[torch.dtype] = set()
 

@@ -122,7 +122,7 @@ class W8A8Linear(nn.Module):
         """(oneDNN's int8 matmul layout, the AMX-INT8 GEMM's blocks) of `weight` (CPU), packed
         again whenever `weight` is replaced or changed in place (loading, sharding), else the
         copies made last time. Where the AMX blocks exist they serve every row count the
-        oneDNN layout would (2 rows on), so that one is not made."""
+        oneDNN layout would (2 rows on) and one row too, so that one is not made."""
         w = self.weight
         key = (w.data_ptr(), w._version, w.device, w.shape)
         if getattr(self, "_packed_key", None) != key:

@@ -71,7 +71,8 @@ def amx() -> bool:
 @pytest.mark.parametrize(
     "m, n, k",
     [
-        (2, 16, 64),  # the fewest rows it takes
+        (1, 16, 64),  # one row (decode)
+        (2, 48, 64),
         (5, 70, 100),  # N not a multiple of the 64-channel blocks
         (129, 130, 200),  # M one past a 128-row tile
         (300, 960, 576),  # SmolLM2's q/k/v
@@ -84,7 +85,7 @@ def test_amx_int8_gemm_accumulators_are_exact(amx, m, n, k):
     a, w = _int8((m, k), 1), _int8((n, k), 2)
     full = slice(0, min(k, 1024))  # full-range rows and columns: the largest sums of either
     a[0, full] = 127  # sign that float32 still holds exactly (1,024 * 127^2 < 2^24)
-    a[1, full] = -127
+    a[-1, full] = -127 if m > 1 else 127
     w[0, full] = 127
     w[-1, full] = -127
     packed = pack_int8_weight_amx(w)
@@ -97,7 +98,7 @@ def test_amx_int8_gemm_accumulators_are_exact(amx, m, n, k):
     assert torch.equal(out, acc.to(torch.float32))
 
 
-@pytest.mark.parametrize("m", [AMX_MIN_ROWS, 7, 128, 257])
+@pytest.mark.parametrize("m", [AMX_MIN_ROWS, 2, 7, 128, 257])
 @pytest.mark.parametrize("out_dtype", [torch.float32, BF16])
 @pytest.mark.parametrize("has_bias", [False, True])
 def test_amx_int8_gemm_with_epilogue_is_the_reference(amx, m, out_dtype, has_bias):
