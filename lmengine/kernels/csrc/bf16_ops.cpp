@@ -11,7 +11,8 @@
 // - bf16_gemv: the weight-streaming GEMV for 1-8 rows (decode). Half the bytes of float32 per
 //   weight; on CPUs with AVX512-BF16 one vdpbf16ps does 32 multiply-adds of bfloat16 pairs.
 // - bf16_rms_norm, bf16_silu_mul: one pass per row instead of torch's eager chains.
-// - rotary_fill_kv_bf16: rotary on q and k fused with the write into a bfloat16 KV cache.
+// rotary_fill_kv_bf16 (rotary on q and k fused with the write into a bfloat16 KV cache) is
+// rotary_ops.cpp's float32 kernel for bfloat16 rows.
 
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
@@ -98,25 +99,6 @@ inline const uint16_t* u16(const at::Tensor& t) {
 }
 inline uint16_t* u16_mut(const at::Tensor& t) {
   return reinterpret_cast<uint16_t*>(t.data_ptr<bf16>());
-}
-
-// bf16(bf16(x * cos) + bf16(rotate_half(x) * sin)): transformers' apply_rotary_pos_emb in
-// bfloat16, each product and the sum rounded
-__attribute__((optimize("fp-contract=off"))) inline void rotate_row_bf16(
-    const uint16_t* x, const uint16_t* cos, const uint16_t* sin, uint16_t* out, int64_t dim) {
-  const int64_t half = dim / 2;
-#pragma omp simd
-  for (int64_t i = 0; i < half; ++i) {
-    const float a = round_bf16(to_f32(x[i]) * to_f32(cos[i]));
-    const float b = round_bf16(-to_f32(x[i + half]) * to_f32(sin[i]));
-    out[i] = to_bf16(a + b);
-  }
-#pragma omp simd
-  for (int64_t i = half; i < dim; ++i) {
-    const float a = round_bf16(to_f32(x[i]) * to_f32(cos[i]));
-    const float b = round_bf16(to_f32(x[i - half]) * to_f32(sin[i]));
-    out[i] = to_bf16(a + b);
-  }
 }
 
 }  // namespace
@@ -221,64 +203,6 @@ at::Tensor bf16_silu_mul(const at::Tensor& gate_up) {
   return out;
 }
 
-// rotary_ops.cpp's rotary_fill_kv for bfloat16 q, k, v, cos, sin and caches.
-at::Tensor rotary_fill_kv_bf16(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                               const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
-                               at::Tensor& v_cache, const at::Tensor& slot_mapping) {
-  const char* op = "rotary_fill_kv_bf16";
-  check_bf16(q, op, "q");
-  check_bf16(k, op, "k");
-  check_bf16(v, op, "v");
-  check_bf16(cos, op, "cos");
-  check_bf16(sin, op, "sin");
-  check_bf16(k_cache, op, "k_cache");
-  check_bf16(v_cache, op, "v_cache");
-  TORCH_CHECK(q.dim() == 2 && k.dim() == 2 && v.dim() == 2 && q.stride(1) == 1 &&
-                  k.stride(1) == 1 && v.stride(1) == 1,
-              op, ": q, k, v must be [T, heads * head_dim] with contiguous rows");
-  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && k_cache.is_contiguous() &&
-                  v_cache.is_contiguous(),
-              op, ": cos, sin and the caches must be contiguous");
-  const int64_t num_tokens = q.size(0), dim = cos.size(1), kv_heads = k_cache.size(2);
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.size(3) == dim && v_cache.sizes() == k_cache.sizes(),
-              op, ": caches must be [num_blocks, block_size, kv_heads, head_dim]");
-  TORCH_CHECK(dim % 2 == 0 && q.size(1) % dim == 0 && k.size(1) == kv_heads * dim &&
-                  v.size(1) == kv_heads * dim && cos.size(0) == num_tokens &&
-                  sin.sizes() == cos.sizes() && k.size(0) == num_tokens &&
-                  v.size(0) == num_tokens && slot_mapping.numel() == num_tokens,
-              op, ": shapes do not fit");
-  const int64_t heads = q.size(1) / dim;
-  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
-  auto slots = slot_mapping.to(at::kLong).contiguous();
-  const int64_t* sp = slots.data_ptr<int64_t>();
-  for (int64_t t = 0; t < num_tokens; ++t) {
-    TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, op, ": slot ", sp[t], " out of range");
-  }
-  auto q_out = at::empty({num_tokens, heads, dim}, q.options());
-  const uint16_t *qp = u16(q), *kp = u16(k), *vp = u16(v), *cp = u16(cos), *snp = u16(sin);
-  uint16_t* qo = u16_mut(q_out);
-  uint16_t* kc = u16_mut(k_cache);
-  uint16_t* vc = u16_mut(v_cache);
-  const int64_t qs = q.stride(0), ks = k.stride(0), vs = v.stride(0);
-  const int64_t row = kv_heads * dim;  // one slot of a cache
-  const int64_t grain = rows_per_task((heads + 2 * kv_heads) * dim, 65536);
-  at::parallel_for(0, num_tokens, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const uint16_t* c = cp + t * dim;
-      const uint16_t* s = snp + t * dim;
-      for (int64_t h = 0; h < heads; ++h) {
-        rotate_row_bf16(qp + t * qs + h * dim, c, s, qo + (t * heads + h) * dim, dim);
-      }
-      uint16_t* k_slot = kc + sp[t] * row;
-      for (int64_t h = 0; h < kv_heads; ++h) {
-        rotate_row_bf16(kp + t * ks + h * dim, c, s, k_slot + h * dim, dim);
-      }
-      std::copy(vp + t * vs, vp + t * vs + row, vc + sp[t] * row);
-    }
-  });
-  return q_out;
-}
-
 void register_bf16_ops(py::module& m) {
   m.def("bf16_gemv_available", &bf16_gemv_available, release_gil(),
         "whether bf16_gemv was built (it needs AVX-512)");
@@ -290,8 +214,4 @@ void register_bf16_ops(py::module& m) {
         py::arg("weight"), py::arg("eps"), py::arg("residual") = py::none());
   m.def("bf16_silu_mul", &bf16_silu_mul, release_gil(),
         "silu(gate) * up of a fused gate/up output (bfloat16, CPU)", py::arg("gate_up"));
-  m.def("rotary_fill_kv_bf16", &rotary_fill_kv_bf16, release_gil(),
-        "rotary on q and k, rotated k and v written to their paged cache slots (bfloat16, CPU)",
-        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("cos"), py::arg("sin"),
-        py::arg("k_cache"), py::arg("v_cache"), py::arg("slot_mapping"));
 }
