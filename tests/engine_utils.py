@@ -8,6 +8,7 @@ import time
 from contextlib import contextmanager, nullcontext
 
 from lmengine import Engine, GenerationConfig, Response
+from lmengine.kernels import cpu_ext
 
 
 def random_prompts(lengths: list[int], vocab: int, seed: int = 0) -> list[list[int]]:
@@ -79,3 +80,28 @@ def _loop_held(engine: Engine, num_pending: int, timeout_s: float = 60.0):
     finally:
         release.set()
         holder.join(timeout_s)
+
+
+def spy_compiled_ops(monkeypatch, names: list[str]) -> dict[str, list]:
+    """From now on `cpu_ext.load()` (called per op) returns the compiled module with the ops
+    `names` wrapped: each call's output is appended to the returned dict under the op's name,
+    so the keys say which of them ran."""
+    module = cpu_ext.load()
+    assert module is not None, "the CPU kernels failed to build"
+    outputs: dict[str, list] = {}
+
+    class Spy:
+        def __getattr__(self, attr):
+            real = getattr(module, attr)
+            if attr not in names:
+                return real
+
+            def recorded(*args, **kwargs):
+                out = real(*args, **kwargs)
+                outputs.setdefault(attr, []).append(out)
+                return out
+
+            return recorded
+
+    monkeypatch.setattr(cpu_ext, "load", Spy)
+    return outputs

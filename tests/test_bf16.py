@@ -13,7 +13,7 @@ import torch
 from lmengine import Engine, EngineConfig, GenerationConfig
 from lmengine.engine import loader
 from lmengine.kernels import cpu_ext, cpu_features
-from tests.engine_utils import random_prompts, run_threads
+from tests.engine_utils import random_prompts, run_threads, spy_compiled_ops
 from tests.gpu.common import (
     BF16_LOGPROB_TOL,
     BF16_TIE_MARGIN,
@@ -104,26 +104,12 @@ def test_the_compiled_bfloat16_paths_run(smollm2_path, monkeypatch):
         names.append("bf16_gemv")
     if module.prefill_attention_available() and cpu_features.has_bf16_units():
         names.append("paged_prefill_attention_bf16")
-    calls: dict[str, int] = {}
-
-    class Spy:
-        def __getattr__(self, attr):
-            real = getattr(module, attr)
-            if attr not in names:
-                return real
-
-            def counted(*args, **kwargs):
-                calls[attr] = calls.get(attr, 0) + 1
-                return real(*args, **kwargs)
-
-            return counted
-
     with Engine.from_pretrained(smollm2_path, bf16_config(num_gpu_blocks=128)) as engine:
-        monkeypatch.setattr(cpu_ext, "load", Spy)  # `load()` returns the spy: called per op
+        calls = spy_compiled_ops(monkeypatch, names)
         inst = engine.create_instance()
         out = inst.infer(1, [1, 2, 3, 4, 5], gen_config=GenerationConfig(max_new_tokens=4))
         assert out.finish_reason == "length"
-    assert sorted(calls) == sorted(names), f"compiled bfloat16 ops that ran: {calls}"
+    assert sorted(calls) == sorted(names), f"compiled bfloat16 ops that ran: {sorted(calls)}"
 
 
 class TestAutoDtype:

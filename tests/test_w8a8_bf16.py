@@ -19,7 +19,7 @@ from lmengine.cli import main
 from lmengine.kernels import cpu_ext, cpu_features
 from lmengine.kernels.w8a8 import int8_gemm_ref, pack_int8_weight_amx, per_token_quant_ref
 from lmengine.models.w8a8 import W8A8Linear, quantize_weight
-from tests.engine_utils import random_prompts, run_threads
+from tests.engine_utils import random_prompts, run_threads, spy_compiled_ops
 from tests.gpu.common import (
     BF16_LOGPROB_TOL,
     BF16_TIE_MARGIN,
@@ -110,32 +110,15 @@ def test_the_compiled_bfloat16_w8a8_paths_run(tiny_w8a8_path, monkeypatch):
     names.append("paged_decode_attention_bf16")
     if pack_int8_weight_amx(torch.zeros(16, 64, dtype=torch.int8)) is not None:
         names.append("w8a8_vnni_linear")  # prompts and decode
-    calls: dict[str, int] = {}
-    dtypes: set[torch.dtype] = set()
-
-    class Spy:
-        def __getattr__(self, attr):
-            real = getattr(module, attr)
-            if attr not in names:
-                return real
-
-            def counted(*args, **kwargs):
-                calls[attr] = calls.get(attr, 0) + 1
-                out = real(*args, **kwargs)
-                if attr == "w8a8_vnni_linear":
-                    dtypes.add(out.dtype)
-                return out
-
-            return counted
-
     config = EngineConfig(dtype="bfloat16", device="cpu", num_gpu_blocks=64)
     with Engine.from_pretrained(tiny_w8a8_path, config) as engine:
-        monkeypatch.setattr(cpu_ext, "load", Spy)  # `load()` returns the spy: called per op
+        calls = spy_compiled_ops(monkeypatch, names)
         out = engine.create_instance().infer(
             1, list(range(5, 30)), gen_config=GenerationConfig(max_new_tokens=3)
         )
         assert out.finish_reason == "length"
-    assert sorted(calls) == sorted(names), f"compiled ops that ran: {calls}"
+    assert sorted(calls) == sorted(names), f"compiled ops that ran: {sorted(calls)}"
+    dtypes = {out.dtype for out in calls.get("w8a8_vnni_linear", [])}
     assert dtypes <= {torch.bfloat16}
 
 

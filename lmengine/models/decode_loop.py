@@ -57,9 +57,8 @@ class _Built:
         self.loop, self.kind = loop, kind
         self.modules = modules
         self.classes = [type(m) for m in modules]
-        # where each tensor the loop holds lives: a module's _parameters or _buffers, which
-        # assigning a new weight to the module updates in place
-        self.tensors = tensors  # (module, attribute, tensor)
+        # where each tensor the loop holds lives (`tensors`: (module, attribute, tensor)): a
+        # module's _parameters or _buffers, which assigning a new weight updates in place
         self.stores = [_store_of(m, name) for m, name, _ in tensors]
         self.names = [name for _, name, _ in tensors]
         self.held = [t for _, _, t in tensors]
