@@ -30,6 +30,7 @@
 #include <limits>
 #include <vector>
 
+#include "bf16_rows.h"
 #include "bindings.h"
 #include "vec_math.h"
 
@@ -297,43 +298,98 @@ namespace {
 
 using bf16 = at::BFloat16;
 
-inline uint16_t bits_of(bf16 x) {
-  uint16_t b;
-  std::memcpy(&b, &x, sizeof(b));
-  return b;
-}
-
-// float32 -> bfloat16, round to nearest even (NaN kept quiet)
-inline uint16_t round_to_bf16(float f) {
-  uint32_t b;
-  std::memcpy(&b, &f, sizeof(b));
-  if (f != f) return static_cast<uint16_t>((b >> 16) | 0x40u);
-  return static_cast<uint16_t>((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
-}
-
 // P^T in the VNNI layout bfloat16 GEMMs read their B in: s [kn16, m] float32 (kn16 even) ->
-// p [kn16 / 2][m][2] bfloat16, p[j / 2][c][j % 2] = s[j][c].
+// p [kn16 / 2][m][2] bfloat16, p[j / 2][c][j % 2] = s[j][c]. (Builds without AVX512-BF16; the
+// others write the pairs from softmax_tile_vnni's registers.)
 inline void to_vnni_pairs(const float* s, int64_t kn16, int64_t m, uint16_t* p) {
+  for (int64_t j = 0; j < kn16; j += 2)
+    for (int64_t c = 0; c < m; ++c) {
+      p[j * m + 2 * c] = to_bf16(s[j * m + c]);
+      p[j * m + 2 * c + 1] = to_bf16(s[(j + 1) * m + c]);
+    }
+}
+
 #if defined(__AVX512BF16__)
-  // 16 columns of two key rows: one conversion of 32 floats, then one permute interleaves them
+// softmax_tile<true> fused with to_vnni_pairs: each probability goes from its register into P^T's
+// VNNI pairs (16 columns of two key rows: one conversion of 32 floats, then one permute
+// interleaves them), never stored as float32 and read back; s is left as the GEMM wrote it
+// (the scaled, masked scores are computed again in the second pass, the same values). o is
+// rescaled only for column blocks whose maximum moved: elsewhere alpha = exp(0) is exactly 1.
+// The same values, sums and pairs as softmax_tile then to_vnni_pairs, bit for bit. With the
+// vectorised Q^T pairs and output rows, per layer of SmolLM2 (Intel Xeon family 6 model 167,
+// 2 threads, 2026-11-27): 4 prompts x 1,016 tokens 11.7 -> 10.3 ms, 64 x 70 3.4 -> 2.8 ms.
+void softmax_tile_vnni(const float* s, int64_t kn16, int64_t m, int64_t rows, int64_t first_pos,
+                       int64_t k0, float* row_max, float* row_sum, float* o, int64_t dim,
+                       float scale, uint16_t* p) {
+  const v16f iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  const v16f neg_inf = v16f{} - std::numeric_limits<float>::infinity();
   const __m512i interleave = _mm512_set_epi16(
       31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
       23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-  for (int64_t j = 0; j < kn16; j += 2)
-    for (int64_t c = 0; c < m; c += 16) {
-      const __m512bh both = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(s + (j + 1) * m + c),
-                                                _mm512_loadu_ps(s + j * m + c));
-      _mm512_storeu_si512(p + (j * m + 2 * c),
-                          _mm512_permutexvar_epi16(interleave, reinterpret_cast<__m512i>(both)));
+  for (int64_t c = 0; c < m; c += 16) {
+    const v16f pos = iota + static_cast<float>(first_pos + c % rows);
+    const bool reaches_limit = k0 + kn16 - 1 > first_pos + c % rows;
+    auto score = [&](int64_t j) {
+      v16f v = load16(s + j * m + c) * scale;
+      if (reaches_limit) v = static_cast<float>(k0 + j) > pos ? neg_inf : v;
+      return v;
+    };
+    v16f mx4[4] = {neg_inf, neg_inf, neg_inf, neg_inf};
+    for (int64_t j = 0; j < kn16; j += 4)
+      for (int u = 0; u < 4; ++u) {
+        const v16f v = score(j + u);
+        mx4[u] = v > mx4[u] ? v : mx4[u];
+      }
+    const v16f old = load16(row_max + c);
+    v16f mx = old;
+    for (int u = 0; u < 4; ++u) mx = mx4[u] > mx ? mx4[u] : mx;
+    const v16f alpha = exp16(old - mx);
+    v16f sum4[4] = {};
+    for (int64_t j = 0; j < kn16; j += 4) {
+      v16f e[4];
+      for (int u = 0; u < 4; ++u) {
+        e[u] = exp16(score(j + u) - mx);
+        sum4[u] += e[u];
+      }
+      for (int h = 0; h < 4; h += 2) {
+        const __m512bh both = _mm512_cvtne2ps_pbh(reinterpret_cast<__m512>(e[h + 1]),
+                                                  reinterpret_cast<__m512>(e[h]));
+        _mm512_storeu_si512(p + ((j + h) * m + 2 * c),
+                            _mm512_permutexvar_epi16(interleave, reinterpret_cast<__m512i>(both)));
+      }
     }
-#else
-  for (int64_t j = 0; j < kn16; j += 2)
-    for (int64_t c = 0; c < m; ++c) {
-      p[j * m + 2 * c] = round_to_bf16(s[j * m + c]);
-      p[j * m + 2 * c + 1] = round_to_bf16(s[(j + 1) * m + c]);
+    const v16f sum = (sum4[0] + sum4[1]) + (sum4[2] + sum4[3]);
+    *reinterpret_cast<v16f*>(row_sum + c) = load16(row_sum + c) * alpha + sum;
+    *reinterpret_cast<v16f*>(row_max + c) = mx;
+    if (_mm512_cmp_ps_mask(reinterpret_cast<__m512>(old), reinterpret_cast<__m512>(mx),
+                           _CMP_NEQ_UQ) == 0)
+      continue;
+    for (int64_t d = 0; d < dim; ++d) {
+      v16f* v = reinterpret_cast<v16f*>(o + d * m + c);
+      *v = *v * alpha;
     }
-#endif
+  }
 }
+#endif
+
+#if defined(__AVX512F__)
+// The task's output rows from O^T [D, M] (columns c0 ..): out row i (of `rows` <= 16, `ld`
+// elements apart) = bf16(O^T[:, c0 + i] / sum[c0 + i]), 16 x 16 blocks transposed in registers
+// (D a multiple of 16).
+inline void store_rows_bf16(const float* ot, int64_t m, int64_t c0, const float* row_sum,
+                            int64_t dim, int64_t rows, uint16_t* out, int64_t ld) {
+  const v16f inv = 1.f / load16(row_sum + c0);
+  for (int64_t d0 = 0; d0 < dim; d0 += 16) {
+    v16f r[16];
+    for (int i = 0; i < 16; ++i) r[i] = load16(ot + (d0 + i) * m + c0) * inv;
+    transpose_round<8>(r);
+    transpose_round<4>(r);
+    transpose_round<2>(r);
+    transpose_round<1>(r);
+    for (int64_t i = 0; i < rows; ++i) store_bf16x16(out + i * ld + d0, r[i]);
+  }
+}
+#endif
 
 }  // namespace
 
@@ -435,15 +491,8 @@ void paged_prefill_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache
       std::fill(qt.begin(), qt.end(), 0u);
       const int64_t row0 = qs[t.seq] + t.row0;
       for (int64_t g = 0; g < group; ++g)
-        for (int64_t i = 0; i < t.rows; ++i) {
-          const uint16_t* src = qp + (row0 + i) * q_row + (t.kv_head * group + g) * dim;
-          const int64_t c = g * task_rows + i;
-          for (int64_t j = 0; j < words; ++j) {
-            uint32_t pair;
-            std::memcpy(&pair, src + 2 * j, sizeof(pair));
-            qt[j * m + c] = pair;
-          }
-        }
+        transpose_bits_block(qp + row0 * q_row + (t.kv_head * group + g) * dim, q_row * 2,
+                             qt.data() + g * task_rows, m, t.rows, words);
       std::fill(ot.begin(), ot.end(), 0.f);
       std::fill(row_max.begin(), row_max.end(), -std::numeric_limits<float>::infinity());
       std::fill(row_sum.begin(), row_sum.end(), 0.f);
@@ -452,21 +501,35 @@ void paged_prefill_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache
         at::native::cpublas::brgemm(kn16, m, dim, dim, m, m, false,
                                     reinterpret_cast<const bf16*>(keys + k0 * dim),
                                     reinterpret_cast<const bf16*>(qt.data()), st.data());
+#if defined(__AVX512BF16__)
+        softmax_tile_vnni(st.data(), kn16, m, task_rows, first_pos, k0, row_max.data(),
+                          row_sum.data(), ot.data(), dim, fscale, pt.data());
+#else
         softmax_tile<true>(st.data(), kn16, m, task_rows, first_pos, k0, row_max.data(),
                            row_sum.data(), ot.data(), dim, fscale);
         to_vnni_pairs(st.data(), kn16, m, pt.data());
+#endif
         at::native::cpublas::brgemm(
             dim, m, kn16, kVRow, m, m, true,
             reinterpret_cast<const bf16*>(values_t + k0 / kK * dim * kVRow),
             reinterpret_cast<const bf16*>(pt.data()), ot.data());
       }
-      for (int64_t g = 0; g < group; ++g)
-        for (int64_t i = 0; i < t.rows; ++i) {
+      for (int64_t g = 0; g < group; ++g) {
+        uint16_t* dst = op_out + (row0 * heads + t.kv_head * group + g) * dim;
+        int64_t i0 = 0;
+#if defined(__AVX512F__)
+        if (dim % 16 == 0)
+          for (; i0 < t.rows; i0 += 16)
+            store_rows_bf16(ot.data(), m, g * task_rows + i0, row_sum.data(), dim,
+                            std::min<int64_t>(16, t.rows - i0), dst + i0 * heads * dim,
+                            heads * dim);
+#endif
+        for (int64_t i = i0; i < t.rows; ++i) {
           const int64_t c = g * task_rows + i;
           const float inv = 1.f / row_sum[c];
-          uint16_t* dst = op_out + ((row0 + i) * heads + t.kv_head * group + g) * dim;
-          for (int64_t d = 0; d < dim; ++d) dst[d] = round_to_bf16(ot[d * m + c] * inv);
+          for (int64_t d = 0; d < dim; ++d) dst[i * heads * dim + d] = to_bf16(ot[d * m + c] * inv);
         }
+      }
     }
     at::native::cpublas::brgemm_release();
   }

@@ -75,6 +75,29 @@ inline void transpose_block(const float* src, int64_t src_ld, float* dst, int64_
       dst[j * dst_ld + i] = src[i * src_ld + j] * scale;
 }
 
+// dst[j][i] = src[i][j] for a rows x cols block of 32-bit words (bfloat16 pairs), src rows
+// src_ld_bytes apart: the registers' shuffles move the bits untouched (no arithmetic, so every
+// pattern, NaN or denormal, arrives as it left).
+inline void transpose_bits_block(const void* src_bytes, int64_t src_ld_bytes, uint32_t* dst,
+                                 int64_t dst_ld, int64_t rows, int64_t cols) {
+  const char* src = static_cast<const char*>(src_bytes);
+  auto at = [&](int64_t i, int64_t j) { return src + i * src_ld_bytes + j * 4; };
+  const int64_t rows16 = rows / 16 * 16, cols16 = cols / 16 * 16;
+  for (int64_t i0 = 0; i0 < rows16; i0 += 16)
+    for (int64_t j0 = 0; j0 < cols16; j0 += 16) {
+      v16f r[16];
+      for (int i = 0; i < 16; ++i) std::memcpy(&r[i], at(i0 + i, j0), sizeof(v16f));
+      transpose_round<8>(r);
+      transpose_round<4>(r);
+      transpose_round<2>(r);
+      transpose_round<1>(r);
+      for (int j = 0; j < 16; ++j) std::memcpy(dst + (j0 + j) * dst_ld + i0, &r[j], sizeof(v16f));
+    }
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t j = i < rows16 ? cols16 : 0; j < cols; ++j)
+      std::memcpy(dst + j * dst_ld + i, at(i, j), 4);
+}
+
 // exp(x) once x is split as n ln2 + r: the degree-6 polynomial for exp(r), |r| <= ln2 / 2
 // (Cephes' coefficients), with r computed from x and n; a float, or a v16f (exp16 below).
 template <typename T>
