@@ -22,12 +22,16 @@ Without the compiled kernels, Intel CPUs keep oneDNN's packs up to 1,023 rows an
 above (where it beats oneDNN there).
 
 bfloat16 (the CPU's default where it has AMX or AVX512-BF16): 1-3 rows take the compiled GEMV
-on bfloat16 weights (csrc/bf16_ops.cpp, AVX512-BF16 dot products), from 4 rows oneDNN on its
-packed bfloat16 weight, which it runs on AMX tiles. Measured on the Intel Xeon (family 6, model
-167, AMX), 2026-11-26, SmolLM2's shapes, ms: one row of the 960 x 576 q/k/v GEMV 0.014 against
-0.045 for oneDNN packed and 0.024 for the float32 GEMV; 64 rows of gate/up (3,072 x 576) 0.25
-against 0.87 in float32 (~900 GFLOP/s); 256 rows of q/k/v at ~2,200 GFLOP/s. At 4-8 rows the
-GEMV becomes compute-bound (~120-150 GFLOP/s) and oneDNN's tiles win.
+on bfloat16 weights (csrc/bf16_ops.cpp, AVX512-BF16 dot products). Where the build has AMX-BF16,
+the weight is packed once in VNNI blocks and 4-1,023 rows run the compiled tile GEMM on it
+(csrc/brgemm_tiles.h: oneDNN's brgemm microkernel, the epilogue on each tile in cache); from
+1,024 rows oneDNN's matmul on the plain weight, which it reorders per call at a cost the large
+GEMM hides. Without AMX-BF16, oneDNN on its own packed copy from 4 rows. Measured on the Intel
+Xeon (family 6, model 167, AMX), 2026-11-27, SmolLM2's four shapes, GFLOP/s of the tile GEMM
+against oneDNN packed: 4 rows 380-590 / 100-230, 16 rows 1,160-1,680 / 420-820, 64 rows
+1,920-2,220 / 1,120-1,610, 256 rows 2,190-2,500 / 1,630-2,360; at 4,064 rows 2,050-2,300
+against 2,500-2,750 (oneDNN's unpacked matmul 2,490-2,740). One row of the 960 x 576 q/k/v
+GEMV takes 0.014 ms against 0.045 for oneDNN packed and 0.024 for the float32 GEMV.
 
 Elsewhere (CUDA, other dtypes, a torch without oneDNN) `linear` is `F.linear`, which is also the
 reference.
@@ -53,6 +57,9 @@ _MAX_ROWS_FOR_ONEDNN = 1023  # from ~1k rows (large prefills) MKL unpacked beats
 # bfloat16: the compiled GEMV streams the weights faster than oneDNN's AMX kernels up to 3 rows
 # (1.3-3x at one row on SmolLM2's shapes); from 4 rows AMX's tiles win
 _MAX_BF16_GEMV_ROWS = 3
+# bfloat16 on the VNNI-packed weight: the compiled tile GEMM below this many rows, oneDNN's
+# matmul on the plain weight from here (~20 % faster on large prompts)
+_MIN_BF16_ONEDNN_ROWS = 1024
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -67,12 +74,16 @@ def can_pack(weight: torch.Tensor) -> bool:
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
     """A packed copy of `weight` [out, in] for `linear`, or None where packing does not apply:
-    MKL's packed layout (a uint8 buffer) on Intel CPUs, oneDNN's elsewhere; for bfloat16
-    always oneDNN's (its AMX or AVX512-BF16 kernels read it)."""
+    MKL's packed layout (a uint8 buffer) on Intel CPUs, oneDNN's elsewhere; for bfloat16 the
+    compiled tile GEMM's VNNI blocks (a 1-D tensor) where the build has AMX-BF16, oneDNN's
+    layout elsewhere."""
     if not can_pack(weight):
         return None
     weight = weight.detach().contiguous()
     if weight.dtype == torch.bfloat16:
+        module = _bf16_tiles_kernels()
+        if module is not None and weight.shape[1] % 2 == 0:
+            return module.bf16_vnni_pack(weight)
         return torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_BATCH_HINT)
     mkl = _mkl_packed_kernels()
     if mkl is not None:
@@ -109,12 +120,28 @@ def _linear_bf16(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor
 ) -> torch.Tensor:
     """bfloat16: the compiled weight-streaming GEMV for a few rows (AVX512-BF16 dot products,
-    half the bytes of float32), oneDNN on its packed weight (AMX tiles) above."""
-    if x.shape[0] <= _MAX_BF16_GEMV_ROWS and x.shape[1] % 32 == 0 and x.dtype == torch.bfloat16:
+    half the bytes of float32); above, the compiled tile GEMM on the VNNI-packed weight (a 1-D
+    `packed`) up to _MIN_BF16_ONEDNN_ROWS rows and oneDNN's matmul from there, or oneDNN on its
+    own packed weight (AMX tiles or AVX512-BF16)."""
+    rows = x.shape[0]
+    if rows <= _MAX_BF16_GEMV_ROWS and x.shape[1] % 32 == 0 and x.dtype == torch.bfloat16:
         module = cpu_ext.load()
         if module is not None and _bf16_gemv_built(module) and weight.is_contiguous():
             return module.bf16_gemv(x.contiguous(), weight, bias)
+    if packed.dim() == 1:  # the VNNI blocks of pack_weight
+        if rows >= _MIN_BF16_ONEDNN_ROWS or x.dtype != torch.bfloat16:
+            return F.linear(x, weight, bias)
+        return cpu_ext.load().bf16_vnni_linear(x, packed, weight.shape[0], bias)
     return _onednn(x, packed, bias)
+
+
+def _bf16_tiles_kernels():
+    """The compiled module when its bfloat16 tile GEMM runs here (a build with AMX-BF16), else
+    None (then oneDNN packs bfloat16 weights)."""
+    module = cpu_ext.load()
+    if module is None or not module.bf16_vnni_available():
+        return None
+    return module
 
 
 @functools.cache

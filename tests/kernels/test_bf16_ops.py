@@ -57,7 +57,7 @@ def test_bf16_gemv_rejects_what_it_cannot_run(ext):
         ext.bf16_gemv(torch.randn(1, 64), w)
 
 
-@pytest.mark.parametrize("rows", [0, 1, 3, 8, 9, 64, 300])
+@pytest.mark.parametrize("rows", [0, 1, 3, 8, 9, 64, 300, 1024])  # 1,024: oneDNN's matmul
 @pytest.mark.parametrize("in_features", [64, 48])  # 48: not a multiple of 32, no GEMV
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_bf16_linear_paths_match_f_linear(rows, in_features, with_bias):
@@ -66,11 +66,54 @@ def test_bf16_linear_paths_match_f_linear(rows, in_features, with_bias):
     bias = torch.randn(70, generator=gen).to(BF16) if with_bias else None
     x = torch.randn(rows, in_features, generator=gen).to(BF16)
     packed = pack_weight(weight)
-    assert packed is not None, "bfloat16 weights are packed for oneDNN"
+    assert packed is not None, "bfloat16 weights are packed (VNNI blocks or oneDNN's layout)"
     out = linear(x, weight, bias, packed)
     assert out.dtype == BF16 and out.shape == (rows, 70)
     expected = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
     torch.testing.assert_close(out.double(), expected, rtol=2**-7, atol=2e-2)
+
+
+@pytest.mark.parametrize("rows", [1, 4, 17, 129, 300])
+@pytest.mark.parametrize(
+    ("out_features", "in_features"), [(1, 2), (64, 64), (65, 576), (200, 1030)]
+)
+def test_bf16_tile_gemm_against_float64(ext, rows, out_features, in_features, threads):
+    """The tile GEMM on VNNI blocks: row tiles of 128 and weight blocks of 64 cut unevenly."""
+    if not ext.bf16_vnni_available():
+        pytest.skip("this build has no AMX-BF16")
+    gen = torch.Generator().manual_seed(rows * out_features + in_features)
+    weight = torch.randn(out_features, in_features, generator=gen).to(BF16)
+    bias = torch.randn(out_features, generator=gen).to(BF16)
+    x = torch.randn(rows, in_features, generator=gen).to(BF16)
+    packed = ext.bf16_vnni_pack(weight)
+    assert packed.shape == (out_features * in_features,) and packed.dtype == BF16
+    for b in (None, bias):
+        out = ext.bf16_vnni_linear(x, packed, out_features, b)
+        assert out.dtype == BF16 and out.shape == (rows, out_features)
+        expected = F.linear(x.double(), weight.double(), None if b is None else b.double())
+        # float32 accumulation of exact bfloat16 products, then one rounding to bfloat16
+        torch.testing.assert_close(out.double(), expected, rtol=2**-8, atol=1e-3 * in_features**0.5)
+
+
+def test_bf16_tile_gemm_rejects_what_it_cannot_run(ext):
+    if not ext.bf16_vnni_available():
+        pytest.skip("this build has no AMX-BF16")
+    weight = torch.randn(8, 64).to(BF16)
+    packed = ext.bf16_vnni_pack(weight)
+    with pytest.raises(RuntimeError, match="K even"):
+        ext.bf16_vnni_pack(torch.randn(8, 63).to(BF16))
+    with pytest.raises(RuntimeError, match="bf16_vnni_pack of an"):
+        ext.bf16_vnni_linear(torch.randn(2, 64).to(BF16), packed, 9)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        ext.bf16_vnni_linear(torch.randn(2, 64), packed, 8)
+    with pytest.raises(RuntimeError, match="bias must be"):
+        ext.bf16_vnni_linear(torch.randn(2, 64).to(BF16), packed, 8, torch.randn(9).to(BF16))
+
+
+def test_bf16_weights_pack_for_the_tile_gemm_where_it_runs(ext):
+    packed = pack_weight(torch.randn(70, 64).to(BF16))
+    # VNNI blocks (1-D) with AMX-BF16; oneDNN's packed layout elsewhere
+    assert (packed.dim() == 1) == ext.bf16_vnni_available()
 
 
 @pytest.mark.parametrize("rows", [1, 5, 70])

@@ -21,8 +21,9 @@
 #include <cstdint>
 #include <cstring>
 
-#include "bindings.h"
 #include "bf16_rows.h"
+#include "bindings.h"
+#include "brgemm_tiles.h"
 #include "vec_math.h"
 
 namespace {
@@ -203,12 +204,95 @@ at::Tensor bf16_silu_mul(const at::Tensor& gate_up) {
   return out;
 }
 
+// ---- the GEMM on AMX tiles -------------------------------------------------------------------
+
+namespace {
+
+constexpr int64_t kTileN = 64;            // output channels per weight block
+constexpr int64_t kTileM = 128;           // rows per task
+constexpr int64_t kChunkBytes = 1 << 20;  // weight bytes per chunk of blocks (vnni_tiles)
+
+// a tile's rows (float32, nb apart) + bias -> bfloat16 rows of out, rounded once
+void store_tile_bf16(const float* tile, int64_t mb, int64_t nb, const uint16_t* bias,
+                     uint16_t* out, int64_t ld_out) {
+  for (int64_t r = 0; r < mb; ++r) {
+    const float* t = tile + r * nb;
+    uint16_t* o = out + r * ld_out;
+    int64_t j = 0;
+#if defined(__AVX512F__)
+    for (; j + 16 <= nb; j += 16) {
+      v16f v = load16(t + j);
+      if (bias != nullptr) v += load_bf16x16(bias + j);
+      store_bf16x16(o + j, v);
+    }
+#endif
+    for (; j < nb; ++j) o[j] = to_bf16(t[j] + (bias != nullptr ? to_f32(bias[j]) : 0.f));
+  }
+}
+
+}  // namespace
+
+// Whether bf16_vnni_linear runs here: a build for a CPU with AMX-BF16 tiles
+bool bf16_vnni_available() {
+#if defined(__AMX_BF16__)
+  return at::hasMKLDNN();
+#else
+  return false;
+#endif
+}
+
+// w [N, K] bfloat16 (K even) -> its copy in the blocked VNNI layout bf16_vnni_linear reads
+at::Tensor bf16_vnni_pack(const at::Tensor& w) {
+  check_bf16(w, "bf16_vnni_pack", "w");
+  TORCH_CHECK(w.dim() == 2 && w.size(1) % 2 == 0, "bf16_vnni_pack: w must be [N, K], K even");
+  auto wc = w.contiguous();
+  auto out = at::empty({wc.numel()}, wc.options());
+  vnni_pack_into<2>(u16(wc), wc.size(0), wc.size(1), kTileN, u16_mut(out));
+  return out;
+}
+
+// x [M, K] @ w.T (+ bias) on the AMX tiles, packed = bf16_vnni_pack(w) of w [N, K]: float32
+// accumulation, each output rounded once to bfloat16 (after the bias), as oneDNN's matmul.
+at::Tensor bf16_vnni_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
+                            const c10::optional<at::Tensor>& bias) {
+  check_bf16(x, "bf16_vnni_linear", "x");
+  check_bf16(packed, "bf16_vnni_linear", "packed");
+  TORCH_CHECK(x.dim() == 2, "bf16_vnni_linear: x must be [M, K]");
+  const int64_t m = x.size(0), k = x.size(1);
+  TORCH_CHECK(k % 2 == 0 && packed.dim() == 1 && packed.numel() == n * k && packed.is_contiguous(),
+              "bf16_vnni_linear: packed must be bf16_vnni_pack of an [N, K] weight");
+  const uint16_t* bp = nullptr;
+  if (bias.has_value()) {
+    check_bf16(*bias, "bf16_vnni_linear", "bias");
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n && bias->is_contiguous(),
+                "bf16_vnni_linear: bias must be [N]");
+    bp = u16(*bias);
+  }
+  auto out = at::empty({m, n}, x.options());
+  if (m == 0) return out;
+  auto xc = x.contiguous();
+  uint16_t* op = u16_mut(out);
+  vnni_tiles<float>(xc.data_ptr<bf16>(), m, k, packed.data_ptr<bf16>(), n, kTileM, kTileN,
+                    kChunkBytes, [&](const float* tile, int64_t m0, int64_t mb, int64_t n0,
+                                     int64_t nb) {
+                      store_tile_bf16(tile, mb, nb, bp ? bp + n0 : nullptr, op + m0 * n + n0, n);
+                    });
+  return out;
+}
+
 void register_bf16_ops(py::module& m) {
   m.def("bf16_gemv_available", &bf16_gemv_available, release_gil(),
         "whether bf16_gemv was built (it needs AVX-512)");
   m.def("bf16_gemv", &bf16_gemv, release_gil(),
         "bfloat16 x [M<=8, K] @ w[N, K]^T (+ bias), float32 accumulation: a weight-streaming GEMV",
         py::arg("x"), py::arg("w"), py::arg("bias") = py::none());
+  m.def("bf16_vnni_available", &bf16_vnni_available, release_gil(),
+        "whether bf16_vnni_linear runs here (AMX-BF16 tiles)");
+  m.def("bf16_vnni_pack", &bf16_vnni_pack, release_gil(),
+        "a bfloat16 weight [N, K] in the blocked VNNI layout of bf16_vnni_linear", py::arg("w"));
+  m.def("bf16_vnni_linear", &bf16_vnni_linear, release_gil(),
+        "bfloat16 x [M, K] @ w.T (+ bias) on AMX tiles from bf16_vnni_pack(w)", py::arg("x"),
+        py::arg("packed"), py::arg("n"), py::arg("bias") = py::none());
   m.def("bf16_rms_norm", &bf16_rms_norm, release_gil(),
         "RMSNorm, after the residual add when given (bfloat16, CPU)", py::arg("x"),
         py::arg("weight"), py::arg("eps"), py::arg("residual") = py::none());

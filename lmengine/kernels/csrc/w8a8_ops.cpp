@@ -27,6 +27,7 @@
 
 #include "bf16_rows.h"
 #include "bindings.h"
+#include "brgemm_tiles.h"
 #include "vec_math.h"
 
 namespace {
@@ -250,75 +251,41 @@ at::Tensor w8a8_linear(const at::Tensor& q, const at::Tensor& a_scale, const at:
 //
 // AMX-INT8 multiplies signed by signed bytes (tdpbssd), so the symmetric int8 activations go in
 // as they are: no uint8 shift and no compensation term. The weight is packed once into blocks
-// of kVnniN output channels, each [K / 4, kVnniN, 4] (four consecutive k of one channel side
-// by side, the layout the tile instructions read). A task computes kVnniM rows x one block
-// into an int32 tile buffer and runs the epilogue on it while it is in cache: no [M, N] float
-// buffer goes to memory, unlike the packed oneDNN matmul above.
+// of kVnniN output channels, each [K / 4, kVnniN, 4] (brgemm_tiles.h). A task computes kVnniM
+// rows x one block into an int32 tile buffer and runs the epilogue on it while it is in cache:
+// no [M, N] float buffer goes to memory, unlike the packed oneDNN matmul above.
 
 namespace {
 
 constexpr int64_t kVnniN = 64;   // output channels per weight block
 constexpr int64_t kVnniM = 128;  // rows per task
-constexpr int64_t kChunkBytes = 1 << 20;  // weight bytes per chunk of blocks (see vnni_gemm)
+constexpr int64_t kChunkBytes = 1 << 20;  // weight bytes per chunk of blocks (see vnni_tiles)
 
 // w [N, K] int8 (K % 4 == 0) -> [N * K] int8 in the blocked VNNI layout above
 at::Tensor vnni_pack(const at::Tensor& w) {
   auto wc = w.contiguous();
-  const int64_t n = wc.size(0), k = wc.size(1);
-  auto out = at::empty({n * k}, wc.options());
-  const int8_t* src = wc.data_ptr<int8_t>();
-  int8_t* dst = out.data_ptr<int8_t>();
-  for (int64_t n0 = 0; n0 < n; n0 += kVnniN) {
-    const int64_t nb = std::min(kVnniN, n - n0);
-    int8_t* block = dst + n0 * k;
-    for (int64_t k4 = 0; k4 < k / 4; ++k4)
-      for (int64_t j = 0; j < nb; ++j)
-        for (int64_t t = 0; t < 4; ++t)
-          block[(k4 * nb + j) * 4 + t] = src[(n0 + j) * k + 4 * k4 + t];
-  }
+  auto out = at::empty({wc.numel()}, wc.options());
+  vnni_pack_into<4>(wc.data_ptr<int8_t>(), wc.size(0), wc.size(1), kVnniN, out.data_ptr<int8_t>());
   return out;
 }
 
-// [M, N] out = epilogue(q [M, K] @ w.T) from the VNNI-packed weight, tiles over threads.
-// NOTE: the order of the tiles: the weight blocks go in chunks of about kChunkBytes (a
-// core's L2 holds one), and within a chunk row tile by row tile, each row tile against every
-// block of the chunk. Contiguous ranges of tasks go to the threads, so a prompt's threads each
-// take half of the row tiles and keep the chunk in their L2, reading the activations once
-// per chunk; a decode batch (one row tile) splits the blocks between them. Block by block
-// (every row tile against one block, then the next) read the activations again for each
-// block of 64 columns: at 4,064 rows SmolLM2's four GEMMs took 19.4 ms of CPU time that way,
-// 12.8 ms this way (gate/up 14.3 against 8.8; Intel Xeon family 6 model 167, 2026-11-26).
+// [M, N] out = epilogue(q [M, K] @ w.T) from the VNNI-packed weight, tiles over threads
 void vnni_gemm(const int8_t* q, int64_t m, int64_t k, const int8_t* packed, int64_t n,
                const at::Tensor& a_scale, const at::Tensor& w_scale, const at::Tensor& bias,
                const at::Tensor& out) {
-  const int64_t m_blocks = (m + kVnniM - 1) / kVnniM;
-  const int64_t n_blocks = (n + kVnniN - 1) / kVnniN;
-  const int64_t chunk = std::max<int64_t>(1, kChunkBytes / (k * kVnniN));  // blocks per chunk
   const float* asp = a_scale.data_ptr<float>();
   const float* wsp = w_scale.data_ptr<float>();
-  at::parallel_for(0, m_blocks * n_blocks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<int32_t> tile(kVnniM * kVnniN);
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t c = t / (m_blocks * chunk);  // every chunk before the last is full
-      const int64_t r = t - c * m_blocks * chunk;
-      const int64_t width = std::min(chunk, n_blocks - c * chunk);
-      const int64_t m0 = (r / width) * kVnniM, n0 = (c * chunk + r % width) * kVnniN;
-      const int64_t nb = std::min(kVnniN, n - n0), mb = std::min(kVnniM, m - m0);
-      at::native::cpublas::brgemm(mb, nb, k, k, nb, nb, false, q + m0 * k, packed + n0 * k,
-                                  tile.data(), true);
-      const float* as = asp + m0;
-      const float* ws = wsp + n0;
-      if (is_bf16(out)) {
-        const uint16_t* bp = bias.defined() ? bf16_bits(bias) + n0 : nullptr;
-        dequant_rows(tile.data(), as, ws, bp, bf16_bits_mut(out) + m0 * n + n0, 0, mb, nb, nb,
-                     n);
-      } else {
-        const float* bp = bias.defined() ? bias.data_ptr<float>() + n0 : nullptr;
-        dequant_rows(tile.data(), as, ws, bp, out.data_ptr<float>() + m0 * n + n0, 0, mb, nb,
-                     nb, n);
-      }
+  vnni_tiles<int32_t>(q, m, k, packed, n, kVnniM, kVnniN, kChunkBytes,
+                      [&](const int32_t* tile, int64_t m0, int64_t mb, int64_t n0, int64_t nb) {
+    const float* as = asp + m0;
+    const float* ws = wsp + n0;
+    if (is_bf16(out)) {
+      const uint16_t* bp = bias.defined() ? bf16_bits(bias) + n0 : nullptr;
+      dequant_rows(tile, as, ws, bp, bf16_bits_mut(out) + m0 * n + n0, 0, mb, nb, nb, n);
+    } else {
+      const float* bp = bias.defined() ? bias.data_ptr<float>() + n0 : nullptr;
+      dequant_rows(tile, as, ws, bp, out.data_ptr<float>() + m0 * n + n0, 0, mb, nb, nb, n);
     }
-    at::native::cpublas::brgemm_release();
   });
 }
 
