@@ -22,16 +22,20 @@ Without the compiled kernels, Intel CPUs keep oneDNN's packs up to 1,023 rows an
 above (where it beats oneDNN there).
 
 bfloat16 (the CPU's default where it has AMX or AVX512-BF16): 1-3 rows take the compiled GEMV
-on bfloat16 weights (csrc/bf16_ops.cpp, AVX512-BF16 dot products). Where the build has AMX-BF16,
-the weight is packed once in VNNI blocks and 4-1,023 rows run the compiled tile GEMM on it
-(csrc/brgemm_tiles.h: oneDNN's brgemm microkernel, the epilogue on each tile in cache); from
-1,024 rows oneDNN's matmul on the plain weight, which it reorders per call at a cost the large
-GEMM hides. Without AMX-BF16, oneDNN on its own packed copy from 4 rows. Measured on the Intel
-Xeon (family 6, model 167, AMX), 2026-11-27, SmolLM2's four shapes, GFLOP/s of the tile GEMM
-against oneDNN packed: 4 rows 380-590 / 100-230, 16 rows 1,160-1,680 / 420-820, 64 rows
-1,920-2,220 / 1,120-1,610, 256 rows 2,190-2,500 / 1,630-2,360; at 4,064 rows 2,050-2,300
-against 2,500-2,750 (oneDNN's unpacked matmul 2,490-2,740). One row of the 960 x 576 q/k/v
-GEMV takes 0.014 ms against 0.045 for oneDNN packed and 0.024 for the float32 GEMV.
+on bfloat16 weights (csrc/bf16_ops.cpp, AVX512-BF16 dot products), 4-1,023 rows oneDNN on its
+packed bfloat16 weight (AMX tiles), from 1,024 rows oneDNN's matmul on the plain weight (it
+reorders the weight per call, a cost the large GEMM hides, and picks its blocking for the real
+row count: a 4,064-token SmolLM2 prefill step 5-12 % faster than on the weight packed for 64
+rows). `LMENGINE_BF16_GEMM=tiles` packs the weights instead in VNNI blocks for the compiled
+tile GEMM (csrc/brgemm_tiles.h: oneDNN's brgemm microkernel, the epilogue on each tile in
+cache), used for 4-1,023 rows. It wins where the weights stay in cache: hot, on SmolLM2's
+shapes, 1.3-1.8x oneDNN packed at 64 rows and 2-4x at 4-16. Streamed from memory it does not
+prefetch them as oneDNN does: cold, at 110-256 rows, it is 5-40 % slower on SmolLM2's and the
+1B shape's GEMMs (level at 32 rows, 25 % slower with K = 8,192); in a whole SmolLM2 forward on
+a 480 MB last-level cache a 111-token prompt took 42 against 47 ms and a 64-row decode step
+was level. Measured on the Intel Xeon (family 6, model 167, AMX), 2026-11-26 and -27. One row
+of the 960 x 576 q/k/v GEMV takes 0.014 ms against 0.045 for oneDNN packed and 0.024 for the
+float32 GEMV.
 
 Elsewhere (CUDA, other dtypes, a torch without oneDNN) `linear` is `F.linear`, which is also the
 reference.
@@ -57,8 +61,8 @@ _MAX_ROWS_FOR_ONEDNN = 1023  # from ~1k rows (large prefills) MKL unpacked beats
 # bfloat16: the compiled GEMV streams the weights faster than oneDNN's AMX kernels up to 3 rows
 # (1.3-3x at one row on SmolLM2's shapes); from 4 rows AMX's tiles win
 _MAX_BF16_GEMV_ROWS = 3
-# bfloat16 on the VNNI-packed weight: the compiled tile GEMM below this many rows, oneDNN's
-# matmul on the plain weight from here (~20 % faster on large prompts)
+# bfloat16: oneDNN's matmul on the plain weight from this many rows (faster than on a weight
+# packed for 64 rows, and than the tile GEMM, on large prompts)
 _MIN_BF16_ONEDNN_ROWS = 1024
 
 
@@ -74,9 +78,9 @@ def can_pack(weight: torch.Tensor) -> bool:
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
     """A packed copy of `weight` [out, in] for `linear`, or None where packing does not apply:
-    MKL's packed layout (a uint8 buffer) on Intel CPUs, oneDNN's elsewhere; for bfloat16 the
-    compiled tile GEMM's VNNI blocks (a 1-D tensor) where the build has AMX-BF16, oneDNN's
-    layout elsewhere."""
+    MKL's packed layout (a uint8 buffer) on Intel CPUs, oneDNN's elsewhere; for bfloat16
+    oneDNN's, or the compiled tile GEMM's VNNI blocks (a 1-D tensor) under
+    LMENGINE_BF16_GEMM=tiles on a build with AMX-BF16."""
     if not can_pack(weight):
         return None
     weight = weight.detach().contiguous()
@@ -120,24 +124,26 @@ def _linear_bf16(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor
 ) -> torch.Tensor:
     """bfloat16: the compiled weight-streaming GEMV for a few rows (AVX512-BF16 dot products,
-    half the bytes of float32); above, the compiled tile GEMM on the VNNI-packed weight (a 1-D
-    `packed`) up to _MIN_BF16_ONEDNN_ROWS rows and oneDNN's matmul from there, or oneDNN on its
-    own packed weight (AMX tiles or AVX512-BF16)."""
+    half the bytes of float32); oneDNN's matmul on the plain weight from _MIN_BF16_ONEDNN_ROWS
+    rows; between, oneDNN on its packed weight (AMX tiles or AVX512-BF16) or the compiled tile
+    GEMM on VNNI blocks (a 1-D `packed`)."""
     rows = x.shape[0]
     if rows <= _MAX_BF16_GEMV_ROWS and x.shape[1] % 32 == 0 and x.dtype == torch.bfloat16:
         module = cpu_ext.load()
         if module is not None and _bf16_gemv_built(module) and weight.is_contiguous():
             return module.bf16_gemv(x.contiguous(), weight, bias)
+    if rows >= _MIN_BF16_ONEDNN_ROWS or x.dtype != torch.bfloat16:
+        return F.linear(x, weight, bias)
     if packed.dim() == 1:  # the VNNI blocks of pack_weight
-        if rows >= _MIN_BF16_ONEDNN_ROWS or x.dtype != torch.bfloat16:
-            return F.linear(x, weight, bias)
         return cpu_ext.load().bf16_vnni_linear(x, packed, weight.shape[0], bias)
     return _onednn(x, packed, bias)
 
 
 def _bf16_tiles_kernels():
-    """The compiled module when its bfloat16 tile GEMM runs here (a build with AMX-BF16), else
-    None (then oneDNN packs bfloat16 weights)."""
+    """The compiled module when bfloat16 weights are packed for its tile GEMM: asked for with
+    LMENGINE_BF16_GEMM=tiles, on a build with AMX-BF16; else None (oneDNN packs them)."""
+    if os.environ.get("LMENGINE_BF16_GEMM", "").lower() != "tiles":
+        return None
     module = cpu_ext.load()
     if module is None or not module.bf16_vnni_available():
         return None

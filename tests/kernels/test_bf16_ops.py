@@ -60,7 +60,9 @@ def test_bf16_gemv_rejects_what_it_cannot_run(ext):
 @pytest.mark.parametrize("rows", [0, 1, 3, 8, 9, 64, 300, 1024])  # 1,024: oneDNN's matmul
 @pytest.mark.parametrize("in_features", [64, 48])  # 48: not a multiple of 32, no GEMV
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_bf16_linear_paths_match_f_linear(rows, in_features, with_bias):
+@pytest.mark.parametrize("gemm", ["onednn", "tiles"])
+def test_bf16_linear_paths_match_f_linear(rows, in_features, with_bias, gemm, monkeypatch):
+    monkeypatch.setenv("LMENGINE_BF16_GEMM", gemm)
     gen = torch.Generator().manual_seed(rows + in_features)
     weight = torch.randn(70, in_features, generator=gen).to(BF16)
     bias = torch.randn(70, generator=gen).to(BF16) if with_bias else None
@@ -110,10 +112,12 @@ def test_bf16_tile_gemm_rejects_what_it_cannot_run(ext):
         ext.bf16_vnni_linear(torch.randn(2, 64).to(BF16), packed, 8, torch.randn(9).to(BF16))
 
 
-def test_bf16_weights_pack_for_the_tile_gemm_where_it_runs(ext):
-    packed = pack_weight(torch.randn(70, 64).to(BF16))
-    # VNNI blocks (1-D) with AMX-BF16; oneDNN's packed layout elsewhere
-    assert (packed.dim() == 1) == ext.bf16_vnni_available()
+def test_bf16_weights_pack_for_the_tile_gemm_when_asked(ext, monkeypatch):
+    weight = torch.randn(70, 64).to(BF16)
+    assert pack_weight(weight).dim() != 1  # oneDNN's packed layout by default
+    monkeypatch.setenv("LMENGINE_BF16_GEMM", "tiles")
+    # VNNI blocks (1-D) where the build has AMX-BF16; oneDNN's layout elsewhere
+    assert (pack_weight(weight).dim() == 1) == ext.bf16_vnni_available()
 
 
 @pytest.mark.parametrize("rows", [1, 5, 70])
