@@ -20,7 +20,8 @@ EVICTION_TYPES = ("recompute", "swap")
 QUANT_POLICIES = (None, "w8a8", "gguf", "float")
 KV_CACHE_DTYPES = ("auto", "int8")
 SPECULATIVE_METHODS = ("ngram", "draft_model")
-_EARLY_STOP = {"true": True, "false": False, "never": "never"}  # GenerationConfig.early_stopping
+# GenerationConfig.early_stopping as the CLI spells it
+_EARLY_STOP: dict[str, bool | str] = {"true": True, "false": False, "never": "never"}
 
 
 def _check_range(name: str, value, low=None, high=None, *, low_open: bool = False) -> None:

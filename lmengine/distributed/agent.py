@@ -41,7 +41,7 @@ from lmengine.distributed.worker import (
 from lmengine.engine.cache_engine import CacheEngine
 from lmengine.engine.model_agent import ModelAgent
 from lmengine.engine.request import FatalEngineError
-from lmengine.engine.runner import ModelRunner
+from lmengine.engine.runner import ForwardOutput, ModelRunner
 from lmengine.engine.speculative import build_proposer
 from lmengine.engine.step import StepInput
 
@@ -145,7 +145,7 @@ class BroadcastRunner(ModelRunner):
         self._check = check  # raises TPWorkerError when a worker is known dead
         self._on_error = on_error  # the workers may be inside a collective: never reuse them
 
-    def run(self, inputs: StepInput) -> torch.Tensor | None:
+    def run(self, inputs: StepInput) -> ForwardOutput | None:
         self._check()
         try:
             self.channel.send(inputs.for_workers())

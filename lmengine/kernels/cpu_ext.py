@@ -62,6 +62,7 @@ def is_enabled() -> bool:
 def _import_built(name: str, path: Path) -> ModuleType:
     loader = importlib.machinery.ExtensionFileLoader(name, str(path))
     spec = importlib.util.spec_from_file_location(name, path, loader=loader)
+    assert spec is not None  # NOTE: never None when a loader is given
     module = importlib.util.module_from_spec(spec)
     loader.exec_module(module)
     return module

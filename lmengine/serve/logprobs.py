@@ -75,7 +75,10 @@ def echo_logprobs(
 def legacy_logprobs(pairs, num_top: int, offset: int, token_text: TokenTexts) -> tuple[dict, int]:
     """OpenAI's legacy `logprobs` object of (token id, {token_id: logprob} or None) pairs,
     the first token's text at character `offset`; also returns the offset after them."""
-    tokens, token_lps, tops, offsets = [], [], [], []
+    tokens: list[str] = []
+    token_lps: list[float | None] = []  # None: the first prompt token, which nothing predicts
+    tops: list[dict[str, float] | None] = []
+    offsets: list[int] = []
     for tok, dist in pairs:
         text = token_text(tok)
         tokens.append(text)

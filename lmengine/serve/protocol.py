@@ -8,7 +8,8 @@ that the OpenAPI document states them and a bad value is a 400 before the engine
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from collections.abc import Iterable
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -53,7 +54,7 @@ def lone_surrogate(value, path: str = "") -> str | None:
             return f"{path or 'the body'} (U+{ord(value[e.start]):04X})"
         return None
     if isinstance(value, dict):
-        items = value.items()
+        items: Iterable[tuple[Any, Any]] = value.items()
     elif isinstance(value, list):
         items = enumerate(value)
     else:
