@@ -36,10 +36,14 @@ setup(
         "serve": ["fastapi>=0.110,<1", "uvicorn>=0.29,<1", "openai>=1.30,<4"],
         # tested: schemathesis 4.32 (the OpenAPI fuzz test of the server); lm-eval 0.4.13
         # (lm-evaluation-harness against the server; its `api` extra has the HTTP client);
-        # smg 1.13 (SGLang's model gateway: replicas behind a router, tests/test_router.py)
+        # smg 1.13 (SGLang's model gateway: replicas behind a router, tests/test_router.py);
+        # ruff and mypy pinned to a minor release (tested: 0.17.6, 2.4.1), since a new one
+        # formats or infers differently and .ci/run checks both; pre-commit runs them per commit
         "test": [
             "pytest>=8",
-            "ruff>=0.6",
+            "ruff>=0.17,<0.18",
+            "mypy>=2.4,<2.5",
+            "pre-commit>=4,<5",
             "schemathesis>=4.0,<5",
             "lm-eval[api]==0.4.13",
             "smg==1.13.0",
