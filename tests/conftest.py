@@ -88,6 +88,27 @@ def tiny_llama_path(tmp_path_factory, smollm2_path) -> str:
 
 
 @pytest.fixture(scope="module")
+def tiny_w8a8_path(tmp_path_factory, tiny_llama_path) -> str:
+    """The tiny Llama quantized by `lmengine quantize w8a8` (4 calibration samples of 32
+    tokens), the checkpoint of the W8A8 tests on CPU, with TP and on the device."""
+    from lmengine.cli import main
+
+    out = tmp_path_factory.mktemp("tiny_w8a8")
+    argv = ["quantize", "w8a8", tiny_llama_path, "--out", str(out)]
+    assert main(argv + ["--calib-samples", "4", "--calib-seqlen", "32", "--quiet"]) == 0
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def tiny_hf(tmp_path_factory, smollm2_path) -> str:
+    """A tiny Llama with tied embeddings (seed 5): the float model that the GGUF tests write
+    as GGUF files and compare with."""
+    return save_tiny_llama(
+        tmp_path_factory.mktemp("tiny_gguf_src"), smollm2_path, seed=5, tie_word_embeddings=True
+    )
+
+
+@pytest.fixture(scope="module")
 def adapter_paths(tiny_llama_path, tmp_path_factory) -> dict[str, str]:
     """The peft adapters of tests/test_lora.py's ADAPTERS for the tiny Llama, saved to disk."""
     from tests.test_lora import ADAPTERS, save_adapter

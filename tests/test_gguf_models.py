@@ -117,13 +117,6 @@ def write_llama_gguf(path, hf_folder: str, qtypes: dict) -> str:
 
 
 @pytest.fixture(scope="module")
-def tiny_hf(tmp_path_factory, smollm2_path) -> str:
-    return save_tiny_llama(
-        tmp_path_factory.mktemp("tiny_gguf_src"), smollm2_path, seed=5, tie_word_embeddings=True
-    )
-
-
-@pytest.fixture(scope="module")
 def tiny_hf_untied(tmp_path_factory, smollm2_path) -> str:
     return save_tiny_llama(
         tmp_path_factory.mktemp("tiny_gguf_untied"), smollm2_path, seed=6, tie_word_embeddings=False

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from lmengine import Engine, EngineConfig, GenerationConfig
-from lmengine.cli import main
 from lmengine.distributed.load import load_shard, weight_bytes
 from lmengine.distributed.w8a8 import RowParallelW8A8Linear, quantize_with_amax
 from lmengine.kernels.w8a8 import per_token_quant_ref
@@ -19,15 +18,6 @@ from lmengine.quant.w8a8 import linear_weight_bytes
 from tests.engine_utils import random_prompts, run_threads
 
 CPU = torch.device("cpu")
-
-
-@pytest.fixture(scope="module")
-def tiny_w8a8_path(tmp_path_factory, tiny_llama_path) -> str:
-    out = tmp_path_factory.mktemp("tiny_w8a8_tp")
-    argv = ["quantize", "w8a8", tiny_llama_path, "--out", str(out)]
-    argv += ["--calib-samples", "4", "--calib-seqlen", "32", "--quiet"]
-    assert main(argv) == 0
-    return str(out)
 
 
 def test_w8a8_shards_hold_their_slice_only(tiny_w8a8_path):

@@ -22,15 +22,6 @@ from tests.engine_utils import random_prompts
 NEW_TOKENS = 8
 
 
-@pytest.fixture(scope="module")
-def tiny_w8a8_path(tmp_path_factory, tiny_llama_path) -> str:
-    out = tmp_path_factory.mktemp("tiny_w8a8")
-    argv = ["quantize", "w8a8", tiny_llama_path, "--out", str(out)]
-    argv += ["--calib-samples", "4", "--calib-seqlen", "32", "--quiet"]
-    assert main(argv) == 0
-    return str(out)
-
-
 def test_checkpoint_records_quantization(tiny_w8a8_path):
     config = json.loads((Path(tiny_w8a8_path) / "config.json").read_text())
     qc = config["quantization_config"]

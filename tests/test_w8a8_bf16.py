@@ -15,7 +15,6 @@ from safetensors.torch import load_file
 from torch import nn
 
 from lmengine import Engine, EngineConfig, GenerationConfig
-from lmengine.cli import main
 from lmengine.kernels import cpu_ext, cpu_features
 from lmengine.kernels.w8a8 import int8_gemm_ref, pack_int8_weight_amx, per_token_quant_ref
 from lmengine.models.w8a8 import W8A8Linear, quantize_weight
@@ -29,14 +28,6 @@ from tests.gpu.common import (
 )
 
 NEW_TOKENS = 12
-
-
-@pytest.fixture(scope="module")
-def tiny_w8a8_path(tmp_path_factory, tiny_llama_path) -> str:
-    out = tmp_path_factory.mktemp("tiny_w8a8_bf16")
-    argv = ["quantize", "w8a8", tiny_llama_path, "--out", str(out)]
-    assert main(argv + ["--calib-samples", "4", "--calib-seqlen", "32", "--quiet"]) == 0
-    return str(out)
 
 
 class ExactInt8Linear(nn.Module):

@@ -28,15 +28,6 @@ pytestmark = pytest.mark.gpu
 NEW_TOKENS = 12
 
 
-@pytest.fixture(scope="module")
-def tiny_hf(tmp_path_factory, smollm2_path) -> str:
-    from tests.conftest import save_tiny_llama
-
-    return save_tiny_llama(
-        tmp_path_factory.mktemp("gpu_gguf_src"), smollm2_path, seed=5, tie_word_embeddings=True
-    )
-
-
 @pytest.mark.parametrize("layout", ["q4_0", "mixed"])
 def test_gguf_blocks_on_the_device_follow_transformers(
     tmp_path, tiny_hf, layout, device, triton_spy

@@ -109,16 +109,6 @@ def test_slora_smollm2_equals_merged_peft(smollm2_path, tmp_path, device, triton
 # ---- W8A8 ---------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def tiny_w8a8_path(tmp_path_factory, tiny_llama_path) -> str:
-    from lmengine.cli import main
-
-    out = tmp_path_factory.mktemp("gpu_tiny_w8a8")
-    argv = ["quantize", "w8a8", tiny_llama_path, "--out", str(out)]
-    assert main(argv + ["--calib-samples", "4", "--calib-seqlen", "32", "--quiet"]) == 0
-    return str(out)
-
-
 W8A8_KERNELS = ("per_token_quant_triton", "rms_norm_quant_triton", "int8_gemm_triton")
 
 

@@ -93,17 +93,15 @@ def test_linear_equals_the_expanded_weights(name, rows, with_bias, inference, cp
 @pytest.mark.parametrize("name", TYPES)
 @pytest.mark.parametrize("rows", [1, 5, 6, 7, 13])  # register tiles of 6 rows, and the rest
 @pytest.mark.parametrize("n", [1, 3, 4, 37, 70])  # tiles of 4 outputs, panels of 32, and tails
-def test_tiled_gemm_covers_every_tile_and_panel_edge(name, rows, n):
-    module = cpu_ext.load()
-    assert module is not None, "the compiled CPU kernels did not build"
+def test_tiled_gemm_covers_every_tile_and_panel_edge(name, rows, n, ext):
     k = fit(name, 96)
     blocks, expanded = quantized(name, n, k, seed=n)
     gen = torch.Generator().manual_seed(rows)
     x, bias = torch.randn(rows, k, generator=gen), torch.randn(n, generator=gen)
-    got = module.gguf_gemm(x, blocks, QTYPES[name], bias)
+    got = ext.gguf_gemm(x, blocks, QTYPES[name], bias)
     ref = x.double() @ expanded.double().T + bias.double()
     torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(module.gguf_gemm(x, blocks, QTYPES[name]), got - bias)
+    torch.testing.assert_close(ext.gguf_gemm(x, blocks, QTYPES[name]), got - bias)
 
 
 def test_unsupported_type_and_bad_rows_are_clear_errors():

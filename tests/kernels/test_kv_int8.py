@@ -83,9 +83,7 @@ def test_cpu_attention_matches_reference(monkeypatch, case, window, softcap, use
     assert float((out - exact).abs().max()) < 0.05
 
 
-def test_compiled_int8_decode_kernel_is_used_and_exact():
-    ext = cpu_ext.load()
-    assert ext is not None, "the CPU kernels failed to build"
+def test_compiled_int8_decode_kernel_is_used_and_exact(ext):
     q_lens, kv_lens = [1, 1, 1, 1], [1, 16, 47, 64]
     q, kq, vq, ks, vs, meta, _, _ = _quantized_batch(q_lens, kv_lens, (9, 3), 64, 16, seed=3)
     scale = 64**-0.5
