@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import zlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,12 +19,94 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("LMENGINE_CPU_DTYPE", "float32")
 
 
-def pytest_configure(config):
-    config.addinivalue_line("markers", "slow: long-running tests (run by default)")
-    config.addinivalue_line("markers", "gpu: needs CUDA (skipped without it)")
+TESTS_DIR = Path(__file__).resolve().parent
+
+# The kind of every test file: a marker (registered in pyproject.toml), so `pytest -m engine`
+# runs one kind. docs/testing.md has the same map; tests/test_repo.py checks that both name
+# every file. A folder is one kind as a whole.
+FOLDER_KINDS = {"kernels": "kernel", "gpu": "gpu"}
+TEST_KINDS = {
+    "unit": [
+        "test_adapter_manager.py",
+        "test_bench.py",
+        "test_config_and_patch.py",
+        "test_detokenize.py",
+        "test_gguf_blocks.py",
+        "test_imports.py",
+        "test_malloc.py",
+        "test_models_registry.py",
+        "test_policies.py",
+        "test_prefix_cache.py",
+        "test_qos.py",
+        "test_repo.py",
+        "test_scheduler.py",
+        "test_scheduler_swap.py",
+        "test_server_metrics.py",
+        "test_server_penalties.py",
+        "test_server_streaming.py",
+    ],
+    "engine": [
+        "test_decode_loop.py",
+        "test_engine.py",
+        "test_first_token.py",
+        "test_kv_pool_sizing.py",
+        "test_pipeline.py",
+        "test_policies_engine.py",
+        "test_sampling.py",
+        "test_step_faults.py",
+        "test_structured_outputs.py",
+    ],
+    "parity": [
+        "test_beam_search.py",
+        "test_bf16.py",
+        "test_gguf_models.py",
+        "test_hf_parity.py",
+        "test_kv_int8.py",
+        "test_lora.py",
+        "test_models_parity.py",
+        "test_prefix_cache_engine.py",
+        "test_research.py",
+        "test_smollm2_parity.py",
+        "test_speculative.py",
+        "test_swap.py",
+        "test_w8a8.py",
+        "test_w8a8_bf16.py",
+        "test_w8a8_smollm2.py",
+    ],
+    "server": [
+        "test_cli.py",
+        "test_lm_eval.py",
+        "test_router.py",
+        "test_server.py",
+        "test_server_adapters.py",
+        "test_server_lifecycle.py",
+        "test_server_lora.py",
+        "test_server_scoring.py",
+        "test_server_strict.py",
+        "test_server_structured.py",
+        "test_server_tools.py",
+    ],
+    "tp": ["test_tp.py", "test_tp_lora.py", "test_tp_torchrun.py", "test_tp_w8a8.py"],
+}
+_KIND_OF_FILE = {name: kind for kind, names in TEST_KINDS.items() for name in names}
+
+
+def kind_of(path: Path) -> str | None:
+    """The kind of the test file at `path`, None for a file the map does not name."""
+    try:
+        parts = Path(path).resolve().relative_to(TESTS_DIR).parts
+    except ValueError:  # not under tests/
+        return None
+    if len(parts) > 1:
+        return FOLDER_KINDS.get(parts[0])
+    return _KIND_OF_FILE.get(parts[0])
 
 
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        kind = kind_of(item.path)
+        if kind is not None:
+            item.add_marker(kind)
     # NOTE: LMENGINE_GPU_TESTS_ON_CPU=1 runs the gpu tests on the CPU, a dry run of their logic
     # (tests/gpu, docs/gpu.md)
     if torch.cuda.is_available() or os.environ.get("LMENGINE_GPU_TESTS_ON_CPU") == "1":

@@ -20,6 +20,28 @@ def test_ci_runs_the_readme_test_command():
     assert readme.index(main_cmd) < readme.index("## ")  # both open the README
 
 
+def test_every_test_file_has_a_kind_in_both_maps(pytestconfig):
+    """tests/conftest.py marks each test file with its kind (unit, engine, ...); the map in
+    docs/testing.md names every file under the same kind, and each kind is a registered marker."""
+    from tests.conftest import FOLDER_KINDS, TEST_KINDS, kind_of
+
+    registered = {line.split(":")[0] for line in pytestconfig.getini("markers")}
+    assert set(TEST_KINDS) | set(FOLDER_KINDS.values()) <= registered
+    doc = (ROOT / "docs" / "testing.md").read_text()
+    rows = {}  # kind -> its row of the map: | `kind` | what | files |
+    for line in doc.split("## The map", 1)[1].split("\n## ", 1)[0].splitlines():
+        if line.startswith("| `"):
+            rows[line.split("`")[1]] = line
+    for path in sorted((ROOT / "tests").rglob("test_*.py")):
+        where = path.relative_to(ROOT)
+        kind = kind_of(path)
+        assert kind is not None, f"{where} has no kind: add it to TEST_KINDS in tests/conftest.py"
+        if path.parent.name in FOLDER_KINDS:
+            assert f"{path.parent.name}/" in rows[kind], f"docs/testing.md: {kind} row, {where}"
+        else:
+            assert f"`{path.name}`" in rows[kind], f"docs/testing.md names {where} as {kind}"
+
+
 # ---- the shape of the package: no import circle, no long module, no abbreviated flag --------
 
 MAX_MODULE_LINES = 500
