@@ -31,13 +31,13 @@ PROMPTS = Path(__file__).resolve().parent.parent / "examples" / "prompts.txt"
 def run_lmengine(engine: Engine, prompts: list[list[int]], gen: GenerationConfig) -> dict:
     pipe = Pipeline(engine)
     bs = engine.engine_config.block_size
-    before = engine.call(lambda: vars(engine.beam_search).copy())
+    before = engine.stats()
     engine.call(lambda: setattr(engine.beam_search, "peak_blocks_in_use", 0))
     t0 = time.perf_counter()
     outs = pipe(prompts, gen_config=gen)
     dt = time.perf_counter() - t0
     engine.check_integrity()
-    after = engine.call(lambda: vars(engine.beam_search).copy())
+    after = {**engine.stats(), "peak_blocks_in_use": engine.beam_search.peak_blocks_in_use}
     # unshared: every beam holds all of its blocks, prompt included
     unshared = sum(gen.num_beams * -(-(len(p) + gen.max_new_tokens) // bs) for p in prompts)
     return {

@@ -247,12 +247,12 @@ class Bench:
         t0 = time.perf_counter()
 
         num_steps = [0]
-        added_at: dict[int, int] = {}  # session id -> steps started before it was queued
-        first_at: dict[int, int] = {}  # session id -> the step that sampled its first token
+        added_at: dict[int, int] = {}  # request id -> steps started before it was queued
+        first_at: dict[int, int] = {}  # request id -> the step that sampled its first token
         add = eng._add
 
         def traced_add(req):
-            added_at[req.session_id] = num_steps[0]
+            added_at[req.request_id] = num_steps[0]
             add(req)
 
         def traced_step():
@@ -260,7 +260,7 @@ class Bench:
             out = step()
             for it in out.scheduled:
                 if it.needs_sample and it.seq.num_generated_tokens == 1:
-                    first_at.setdefault(it.seq.session_id, num_steps[0])
+                    first_at.setdefault(it.seq.request_id, num_steps[0])
             usage = eng.scheduler.qos.usage.total
             samples.append((time.perf_counter() - t0, {t.user: v for t, v in usage.items()}))
             return out

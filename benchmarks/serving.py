@@ -110,7 +110,7 @@ def run_inprocess(engine, prompts, max_tokens, concurrency, offsets) -> tuple[li
         s = samples[i]
         t0 = time.perf_counter()
         last = None
-        for r in inst.stream_infer(engine.new_session_id(), prompts[i], gen_config=cfg):
+        for r in inst.stream_infer(engine.new_request_id(), prompts[i], gen_config=cfg):
             now = time.perf_counter() - t0
             if r.generate_token_len and r.finish_reason != "error":
                 if s.token_times == []:

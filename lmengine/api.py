@@ -122,7 +122,7 @@ class Pipeline:
     def _add(self, ids, cfg, responses, index, adapter=None, priority=None, user=None) -> None:
         """Submit one request whose Responses go to `responses`, tagged with `index`."""
         req = AddRequest(
-            session_id=self.engine.new_session_id(),
+            request_id=self.engine.new_request_id(),
             input_ids=ids,
             gen_config=cfg if cfg is not None else GenerationConfig(),
             response_queue=responses,
@@ -162,7 +162,7 @@ class Pipeline:
                 logprobs=r.logprobs[seen_tokens[i] :] if r.logprobs is not None else None,
                 index=i,
                 error=r.error,
-                session_id=r.session_id,
+                request_id=r.request_id,
             )
             seen_text[i], seen_tokens[i] = text, len(r.token_ids)
             yield delta

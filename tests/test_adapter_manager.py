@@ -134,7 +134,7 @@ def test_random_mix_keeps_pages_and_references_consistent():
             live.append(seq)
         if live and rng.random() < 0.05:
             victim = rng.choice(live)
-            sched.abort_sequence(victim)
+            sched.remove_sequence(victim)
         fake_step(sched, finish_after=rng.randint(1, 6))
         live = [s for s in live if not s.is_finished]
     while sched.has_unfinished:

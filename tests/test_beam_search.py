@@ -130,7 +130,7 @@ def test_beam_batched_with_greedy_under_preemption(tiny_llama_path, eviction_typ
         outs = run_threads(eng, prompts, configs, together=True)
         stats = eng.stats()
         eng.check_integrity()
-        forks = eng.call(lambda: eng.beam_search.num_forks)
+        forks = stats["num_forks"]
     assert stats["num_preemptions"] > 0
     if eviction_type == "swap":
         assert stats["num_swap_outs"] > 0
@@ -207,7 +207,7 @@ def test_beam_cancel_errors_and_no_leaks(tiny_llama_path):
         ok = inst.infer(3, [4, 5, 6, 7], gen_config=GenerationConfig(num_beams=2, max_new_tokens=5))
         assert ok.finish_reason in ("stop", "length") and ok.token_ids
         eng.check_integrity()
-        assert eng.call(lambda: (eng.beam_search.groups, eng.beam_search.group_of)) == ({}, {})
+        assert eng.call(lambda: dict(eng.requests)) == {}
 
 
 def test_beam_config_validation():
@@ -268,13 +268,12 @@ def test_fork_shares_full_blocks_and_copies_the_partial_one():
     seq = Sequence(0, 0, list(range(10, 20)), cfg)  # 10 tokens: 2 full blocks + 2 tokens
     beams = BeamSearch(sched, [2], iter(range(1, 100)))
     sched.add_sequence(seq)
-    beams.add(seq)
+    group = beams.new_group(seq)
     out = sched.schedule()
     sched.update(out, {})
     row = torch.full((50,), -10.0)
     row[[30, 31, 32]] = torch.tensor([-0.1, -0.2, -0.3])  # three continuations of beam 0
-    assert beams.advance({seq.seq_id: row}) == []
-    group = beams.groups[0]
+    assert beams.advance({seq.seq_id: row}, [group]) == []
     assert [s.token_ids[-1] for s in group.beams] == [30, 31, 32]
     assert group.beams[0] is seq  # the first child continues in place
     shared = seq.block_table[:2]
@@ -285,7 +284,8 @@ def test_fork_shares_full_blocks_and_copies_the_partial_one():
     out = sched.schedule()
     assert sorted(out.blocks_to_copy) == sorted((seq.block_table[2], b) for b in partials[1:])
     assert [it.start_pos for it in out.scheduled] == [10, 10, 10]
-    beams.finish(0)
+    for beam in group.beams:
+        sched.remove_sequence(beam)
     sched.check_integrity()
     assert sched.block_manager.num_free_blocks == 32
 

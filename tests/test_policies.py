@@ -89,12 +89,12 @@ def test_priority_preemption_frees_enough_blocks_or_preempts_nobody():
     s.add_sequence(mid)
     out = s.schedule()
     assert not out.swapped_out and mid.status == SequenceStatus.WAITING
-    s.abort_sequence(mid)
+    s.remove_sequence(mid)
     huge = make_seq(7, 36, max_new=4, priority=3)  # 9 blocks: even preempting both is short
     s.add_sequence(huge)
     out = s.schedule()
     assert not out.swapped_out and not out.preempted and huge.status == SequenceStatus.WAITING
-    s.abort_sequence(huge)
+    s.remove_sequence(huge)
     high = make_seq(6, 24, max_new=4, priority=3)  # 6 blocks: 2 free + 3 + 3 from both lows
     s.add_sequence(high)
     out = s.schedule()

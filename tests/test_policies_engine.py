@@ -24,13 +24,13 @@ EXPECTED = {
 
 
 def record_finish_order(engine) -> list[int]:
-    """Session ids in the order the scheduler finishes them (wraps `update`, loop thread)."""
+    """Request ids in the order the scheduler finishes them (wraps `update`, loop thread)."""
     order: list[int] = []
     update = engine.scheduler.update
 
     def wrapped(out, new_tokens, finished=()):
         finished = list(finished)
-        order.extend(s.session_id for s in finished)
+        order.extend(s.request_id for s in finished)
         update(out, new_tokens, finished)
 
     engine.scheduler.update = wrapped

@@ -128,18 +128,21 @@ def test_abort_frees_blocks_everywhere():
         s.add_sequence(q)
     fake_step(s)
     for q in seqs:
-        s.abort_sequence(q)
+        s.remove_sequence(q)
     s.check_integrity()
     assert s.block_manager.num_free_blocks == 16 and not s.has_unfinished
 
 
-def test_end_session_aborts_its_sequences():
+def test_remove_sequence_frees_it_and_is_idempotent():
     s = make_scheduler()
     q = make_seq(5, 4)
     s.add_sequence(q)
     fake_step(s)
-    assert s.end_session(5) == [q]
+    s.remove_sequence(q)
+    s.remove_sequence(q)
     assert q.status == SequenceStatus.FINISHED and s.block_manager.num_free_blocks == 64
+    assert not s.has_unfinished
+    s.check_integrity()
 
 
 def test_policy_registry_rejects_unknown_name():
@@ -186,7 +189,7 @@ def test_random_workload_keeps_integrity_and_finishes(seed):
             s.add_sequence(pending.pop(0))
         if rng.random() < 0.05 and s.running:
             victim = rng.choice(s.running)
-            s.abort_sequence(victim)
+            s.remove_sequence(victim)
             done.add(victim.seq_id)
         out = s.schedule()
         new = {it.seq.seq_id: 1 for it in out.scheduled if it.needs_sample}
@@ -238,7 +241,7 @@ def test_parked_sequences_give_their_blocks_when_nothing_else_can_run(eviction):
     # c stays out while parked, even with room for it, and does not block d behind it
     d = make_seq(4, 2, arrival=4.0)
     s.add_sequence(d)
-    s.abort_sequence(a)
+    s.remove_sequence(a)
     out = s.schedule()
     assert {it.seq.seq_id for it in out.scheduled} == {3, 4}
     assert c.status != SequenceStatus.RUNNING

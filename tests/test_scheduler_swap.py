@@ -89,7 +89,7 @@ def drive(sched, pending, limits, rng=None, steps=5000, add_prob=0.3, abort_prob
             sched.add_sequence(pending.pop(0))
         if abort_prob and sched.has_unfinished and rng.random() < abort_prob:
             victim = rng.choice(list(sched.live_sequences()))
-            sched.abort_sequence(victim)
+            sched.remove_sequence(victim)
             finished_order.append(victim.seq_id)
         out = sched.schedule()
         cache.run(out)
@@ -135,7 +135,7 @@ def test_swap_out_moves_the_victims_cached_blocks_and_resumes_it():
         s.update(out, {it.seq.seq_id: 5 for it in out.scheduled if it.needs_sample})
         s.check_integrity()
         if a.num_generated_tokens >= 12:
-            s.abort_sequence(a)  # a finishes: room for b to come back
+            s.remove_sequence(a)  # a finishes: room for b to come back
     else:
         pytest.fail("b was never swapped out and back in")
     assert s.num_recomputes == 0 and s.num_swap_outs == 1 and s.num_swap_ins == 1
@@ -160,7 +160,7 @@ def test_abort_of_a_swapped_sequence_frees_its_host_blocks():
         out = s.schedule()
         s.update(out, {it.seq.seq_id: 5 for it in out.scheduled if it.needs_sample})
     assert s.block_manager.host.num_free < 8
-    s.abort_sequence(b)
+    s.remove_sequence(b)
     s.check_integrity()
     assert s.block_manager.host.num_free == 8 and not s.swapped
 

@@ -44,9 +44,9 @@ class Fault:
             due = self.calls >= self.at if self.when is None else self.when(*args)
             if self.sessions is None and due:
                 if name == "schedule":  # nothing scheduled yet: every live request fails
-                    self.sessions = set(engine.outputs.states)
+                    self.sessions = set(engine.requests)
                 else:
-                    self.sessions = set(self._last_out.session_ids)
+                    self.sessions = set(self._last_out.request_ids)
                 raise RuntimeError(f"injected fault in {name}")
             return self.real(*args, **kwargs)
 

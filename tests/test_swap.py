@@ -150,7 +150,7 @@ def submit_at_once(engine, prompts, gens, priorities=None, user_ids=None, first_
     for i, ids in enumerate(prompts):
         q = queue_mod.Queue()
         req = AddRequest(
-            session_id=first_id + i,
+            request_id=first_id + i,
             input_ids=ids,
             gen_config=gens[i] if isinstance(gens, list) else gens,
             response_queue=q,

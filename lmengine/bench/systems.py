@@ -123,7 +123,7 @@ class Systems:
         from lmengine.config import GenerationConfig
 
         inst = self.engine.create_instance()
-        session_id = self.engine.new_session_id()
+        session_id = self.engine.new_request_id()
         cfg = GenerationConfig(max_new_tokens=new, ignore_eos=True)
         stamps: list[float] = []
         seen = 0

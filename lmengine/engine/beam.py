@@ -23,7 +23,7 @@ output stage builds it, lmengine/engine/outputs.py).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -41,7 +41,7 @@ class BeamGroup:
     Tensors are [1, k] or [1, 2k]: the batch dimension of transformers' code, kept so the
     arithmetic (and its rounding and tie-breaking) is the same."""
 
-    session_id: int
+    request_id: int
     beams: list[Sequence]  # running beams in score order; one sequence before the first round
     eos_token_ids: list[int]
     max_length: int  # prompt + generated tokens at most
@@ -153,37 +153,25 @@ class BeamGroup:
 
 
 class BeamSearch:
-    """The engine's beam groups: takes each step's beam rows, runs a round for every group
-    whose beams all have theirs, and asks the Scheduler to fork, extend, park, requeue and free
-    the beams' Sequences. Keeps only the beam arithmetic. Runs on the engine loop thread."""
+    """The beam arithmetic of the engine's beam requests: takes each step's beam rows, runs a
+    round for every group whose beams all have theirs, and asks the Scheduler to fork,
+    extend, park, requeue and free the beams' Sequences. Holds no groups: each lives in its
+    request's record (`RequestRecord.beams`). Runs on the engine loop thread."""
 
     def __init__(self, scheduler: Scheduler, eos_token_ids: list[int], seq_ids: Iterator[int]):
         self.scheduler = scheduler
         self.eos_token_ids = list(eos_token_ids)
         self.seq_ids = seq_ids
-        self.groups: dict[int, BeamGroup] = {}  # session_id -> group
-        self.group_of: dict[int, BeamGroup] = {}  # seq_id of a running beam -> its group
         self.peak_blocks_in_use = 0  # device blocks in use (all requests) after a beam round
 
-    @property
-    def num_forks(self) -> int:  # the Scheduler's fork counters, for the beam benchmark
-        return self.scheduler.num_forks
-
-    @property
-    def num_shared_blocks(self) -> int:
-        return self.scheduler.num_shared_blocks
-
-    @property
-    def num_cow_copies(self) -> int:
-        return self.scheduler.num_cow_copies
-
-    def add(self, seq: Sequence) -> None:
+    def new_group(self, seq: Sequence) -> BeamGroup:
+        """The group of a new beam request, whose one sequence so far is `seq`."""
         cfg = seq.gen_config
         eos = list(cfg.stop_token_ids or [])
         if not cfg.ignore_eos:
             eos = [*self.eos_token_ids, *eos]
-        self.group_of[seq.seq_id] = self.groups[seq.session_id] = BeamGroup(
-            session_id=seq.session_id,
+        return BeamGroup(
+            request_id=seq.request_id,
             beams=[seq],
             eos_token_ids=list(dict.fromkeys(eos)),
             max_length=seq.max_num_tokens,
@@ -193,33 +181,24 @@ class BeamSearch:
             prompt_len=seq.num_tokens,
         )
 
-    def finish(self, session_id: int) -> BeamGroup | None:
-        """Forget the session's group and free its running beams (done, cancelled, failed)."""
-        group = self.groups.pop(session_id, None)
-        if group is None:
-            return None
-        for seq in group.beams:
-            self.group_of.pop(seq.seq_id, None)
-            self.scheduler.abort_sequence(seq)
-        return group
-
-    def best_running(self, session_id: int) -> Sequence | None:
-        group = self.groups.get(session_id)
-        return group.beams[0] if group is not None else None
-
     # ---- each step ------------------------------------------------------------------------------
-    def advance(self, beam_rows: dict[int, torch.Tensor]) -> list[BeamGroup]:
-        """Store this step's rows, run a round for each group that has all of them; returns
-        the groups that are done (still registered: `finish` frees them)."""
+    def advance(
+        self, beam_rows: dict[int, torch.Tensor], groups: Iterable[BeamGroup]
+    ) -> list[BeamGroup]:
+        """Store this step's rows (by seq_id) in their `groups` (every live beam request's),
+        run a round for each group that has all of them; returns the groups that are done
+        (their beams still live: the engine's teardown frees them)."""
+        groups = list(groups)
+        if not groups:
+            return []
+        group_of = {seq.seq_id: group for group in groups for seq in group.beams}
         done = []
-        if not self.groups:
-            return done
         touched = {}
         for seq_id, row in beam_rows.items():
-            group = self.group_of.get(seq_id)
+            group = group_of.get(seq_id)
             if group is not None:
                 group.rows[seq_id] = row
-                touched[group.session_id] = group
+                touched[id(group)] = group
         for group in touched.values():
             if group.is_ready:
                 parents, tokens = group.select()
@@ -230,7 +209,7 @@ class BeamSearch:
             else:  # the beams with their row in wait for the others, holding no claim
                 for seq in group.beams:
                     self.scheduler.park(seq, seq.seq_id in group.rows)
-        self._unblock_swapped()
+        self._unblock_swapped(groups)
         device = self.scheduler.block_manager.device
         self.peak_blocks_in_use = max(self.peak_blocks_in_use, device.num_blocks - device.num_free)
         return done
@@ -254,20 +233,18 @@ class BeamSearch:
                 new_beams[j] = sched.fork(parent, tokens[j], next(self.seq_ids))
         for seq in old:
             if seq.seq_id not in owners:
-                sched.abort_sequence(seq)
-                del self.group_of[seq.seq_id]
+                sched.remove_sequence(seq)
         for j, seq in enumerate(new_beams):
             if seq is parent_seqs[j]:  # an owner: continues in place
                 sched.append_token(seq, tokens[j])
         group.beams = new_beams
         for seq in new_beams:
             sched.park(seq, False)  # a new round: every beam computes its next token
-            self.group_of[seq.seq_id] = group
 
-    def _unblock_swapped(self) -> None:
+    def _unblock_swapped(self, groups: list[BeamGroup]) -> None:
         """A swapped beam that already has its row has nothing to compute, and the scheduler
         would stop admitting behind it (maybe behind its own group): recompute it instead."""
-        for group in self.groups.values():
+        for group in groups:
             for seq in group.beams:
                 if seq.status == SequenceStatus.SWAPPED and seq.seq_id in group.rows:
                     self.scheduler.requeue(seq)

@@ -5,14 +5,16 @@ the model. One request, from the caller to its last response:
 
 1. `EngineInstance.stream_infer` builds an AddRequest; `RequestManager.submit` validates it in
    the caller's thread (`RequestValidator.validate`) and queues it.
-2. The loop drains it (`_handle` -> `_add`): the request gets a Sequence in the Scheduler and a
-   RequestState in the output stage (`OutputProcessor`).
+2. The loop drains it (`_handle` -> `_add`): the request gets its record (`RequestRecord`, in
+   `self.requests`: the request, its Sequence, its output state, its beam group) and its
+   Sequence joins the Scheduler.
 3. Each `step()`: the Scheduler picks the batch (`schedule`), the ModelAgent runs it
    (`execute`: StepInput -> ModelOutput), the output stage checks stops and builds Responses
    (`process`), the Scheduler takes the tokens back (`update`), beam groups advance, and the
    RequestManager hands each Response to its caller's queue (`publish_many`).
-4. A finished request is forgotten after its last Response is published. A fault anywhere in
-   a step fails that step's requests only (`_fail_step`).
+4. A request ends in one place, `_release`: its record is dropped and its sequences freed,
+   after its last Response is out (finished), or with it (`_end`: cancelled, failed). A
+   fault anywhere in a step fails that step's requests only (`_fail_step`).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import queue
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 import torch
 
@@ -36,12 +38,12 @@ from lmengine.engine.lora_pool import DEFAULT_MAX_LORA_RANK, AdapterWeights
 from lmengine.engine.malloc import keep_freed_memory
 from lmengine.engine.model_agent import ModelAgent
 from lmengine.engine.outputs import OutputProcessor
+from lmengine.engine.record import RequestRecord
 from lmengine.engine.request import (
     STEP_FAILED,
     AddRequest,
     CallRequest,
     CancelRequest,
-    EndRequest,
     FatalEngineError,
     Request,
     RequestError,
@@ -90,6 +92,7 @@ class Engine:
         self.engine_config = engine_config or EngineConfig()
         self.model_path = model_path
         self._stop = threading.Event()
+        self._stop_reason = "engine closed"  # what requests still running are told at the end
         self._failed_steps = 0  # consecutive steps that raised
         self._grammar_compiler = None  # structured outputs: built on first use
         self._grammar_lock = threading.Lock()
@@ -159,7 +162,6 @@ class Engine:
             num_lookahead_slots=cfg.speculative.num_speculative_tokens if cfg.speculative else 0,
             max_seq_len=self.session_len,
         )
-        self._adapter_names: frozenset[str] = frozenset()  # read by the validator, any thread
         if cfg.adapters:
             pool = self.model_agent.lora
             self._enable_lora({name: pool.read(path) for name, path in cfg.adapters.items()})
@@ -170,7 +172,7 @@ class Engine:
             num_blocks=num_blocks,
             block_size=cfg.block_size,
             is_speculative=cfg.speculative is not None,
-            adapter_names=lambda: self._adapter_names,
+            adapter_names=self._served_adapters,
             qos=self._qos,
             num_layers=self.info.num_layers,
             hidden_size=self.info.hidden_size,
@@ -178,9 +180,10 @@ class Engine:
         )
         self.num_steps = 0  # steps started; RequestMetrics count in these
         self.request_manager = RequestManager(self.validator.validate, lambda: self.num_steps)
+        self.requests: dict[int, RequestRecord] = {}  # request id -> record (loop thread only)
         self.outputs = OutputProcessor(self.tokenizer, self.info.eos_token_ids)
         self._seq_ids = itertools.count()
-        self._session_ids = itertools.count(1 << 48)  # auto ids, far from user-chosen ones
+        self._request_ids = itertools.count(1 << 48)  # auto ids, far from user-chosen ones
         self.beam_search = BeamSearch(self.scheduler, self.info.eos_token_ids, self._seq_ids)
 
     def _compile_grammar(self, spec: dict):
@@ -228,8 +231,11 @@ class Engine:
 
         return EngineInstance(self)
 
-    def new_session_id(self) -> int:
-        return next(self._session_ids)
+    def new_request_id(self) -> int:
+        """A fresh request id (any thread), far from the session ids callers choose."""
+        return next(self._request_ids)
+
+    new_session_id = new_request_id  # lmdeploy's name: an id for a one-request session
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def close(self) -> None:
@@ -247,7 +253,9 @@ class Engine:
         self.close()
 
     def _fail_all(self, reason: str) -> None:
-        """Any thread: fail every request and stop the loop (a tensor-parallel worker died)."""
+        """Any thread: fail every request and stop the loop (a tensor-parallel worker died):
+        the inbox's requests are answered here, the running ones as the loop ends."""
+        self._stop_reason = reason
         self._stop.set()
         request_manager = getattr(self, "request_manager", None)
         if request_manager is not None:
@@ -313,7 +321,12 @@ class Engine:
 
     @property
     def adapter_names(self) -> list[str]:
-        return sorted(self._adapter_names)
+        """The adapters served now (any thread)."""
+        return sorted(self._served_adapters())
+
+    def _served_adapters(self) -> frozenset[str]:
+        manager = self.scheduler.adapter_manager
+        return manager.names if manager is not None else frozenset()
 
     def _enable_lora(self, weights: dict[str, AdapterWeights]) -> None:
         cfg = self.engine_config
@@ -338,7 +351,6 @@ class Engine:
         manager = self.scheduler.adapter_manager
         for name, w in weights.items():
             self.model_agent.lora.store(manager.register(name, w.demand), w)
-        self._adapter_names = frozenset(manager.ids)
 
     def _remove_adapter(self, name: str) -> None:
         manager = self.scheduler.adapter_manager
@@ -346,7 +358,6 @@ class Engine:
             raise ValueError(f"unknown adapter {name!r}")
         manager.remove(name)
         self.scheduler.block_manager.forget_adapter(name)  # prefix caching: stale KV
-        self._adapter_names = frozenset(manager.ids)
 
     # ---- the loop thread ----------------------------------------------------------------------
     def _loop(self) -> None:
@@ -359,13 +370,22 @@ class Engine:
                     self.step()
         except BaseException as e:  # NOTE: any death of the loop must reach every caller
             logger.error("engine loop died:\n%s", traceback.format_exc())
-            self.request_manager.close(f"engine loop died: {type(e).__name__}: {e}")
+            self._stop_reason = f"engine loop died: {type(e).__name__}: {e}"
+        finally:
+            self.request_manager.close(self._stop_reason)  # refuses new ones, answers the inbox
+            for record in self.requests.values():  # NOTE: no scheduler call: it may be broken
+                self.request_manager.deliver(
+                    record.request, error_response(record.request, self._stop_reason)
+                )
+            self.requests.clear()
 
     def _handle(self, req: Request) -> None:
         if isinstance(req, AddRequest):
             self._add(req)
-        elif isinstance(req, (CancelRequest, EndRequest)):
-            self._finish_session(req.session_id, "cancel")
+        elif isinstance(req, CancelRequest):
+            record = self.requests.get(req.request_id)
+            if record is not None:
+                self._end(record, "cancel")
         elif isinstance(req, CallRequest):
             try:
                 req.result_queue.put((True, req.fn()))
@@ -375,41 +395,48 @@ class Engine:
     def _add(self, req: AddRequest) -> None:
         req.metrics.arrival_time = time.monotonic()
         try:
-            adapter_id = self.validator.admit(
-                req, self.outputs.states, self.scheduler.adapter_manager
-            )
+            adapter_id = self.validator.admit(req, self.requests, self.scheduler.adapter_manager)
         except RequestError as e:
             self.request_manager.deliver(req, error_response(req, str(e)))
             return
+        research = req.research
         seq = Sequence(
             seq_id=next(self._seq_ids),
-            session_id=req.session_id,
+            request_id=req.request_id,
             token_ids=list(req.input_ids),
             gen_config=req.gen_config,
             priority=req.priority,
             user_id=req.user_id,
             adapter_name=req.adapter_name,
             adapter_id=adapter_id,
-            research=req.research,
+            # prefix caching: see ResearchSpec.max_cached_tokens
+            max_cached_tokens=research.max_cached_tokens if research is not None else None,
+            shares_cache=research is None or not research.steering,
+            research=research,
             grammar=req.grammar,
         )
-        if req.research is not None:  # prefix caching: see ResearchSpec.max_cached_tokens
-            seq.max_cached_tokens = req.research.max_cached_tokens
-            seq.shares_cache = not req.research.steering
-        self.outputs.add(req, seq)
-        self.scheduler.add_sequence(seq)
+        record = RequestRecord(req, seq, self.outputs.new_state(req, seq))
         if req.gen_config.num_beams > 1:
-            self.beam_search.add(seq)
+            record.beams = self.beam_search.new_group(seq)
+        self.scheduler.add_sequence(seq)
+        self.requests[req.request_id] = record
 
-    def _finish_session(self, session_id: int, reason: str, error: str | None = None) -> None:
-        """End the session's request outside a step's results (cancelled, failed): free every
-        sequence it has, then give its caller the last Response. Safe on any session."""
-        best = self.beam_search.best_running(session_id)
-        final = self.outputs.finish(session_id, reason, error, best)
-        self.beam_search.finish(session_id)
-        self.scheduler.end_session(session_id)
-        if final is not None:
-            self.request_manager.deliver(*final)
+    def _end(self, record: RequestRecord, reason: str, error: str | None = None) -> None:
+        """End a request outside a step's results (cancelled, failed): free it, then give its
+        caller the last Response."""
+        final = self.outputs.final_response(record, reason, error)
+        self._release(record)
+        self.request_manager.deliver(record.request, final)
+
+    def _release(self, record: RequestRecord) -> None:
+        """The one teardown: drop the request's record and free every sequence it still has
+        (a finished sequence is freed already: `remove_sequence` is idempotent)."""
+        self.requests.pop(record.request_id, None)
+        for seq in record.sequences():
+            self.scheduler.remove_sequence(seq)
+
+    def _beam_groups(self) -> list:
+        return [r.beams for r in self.requests.values() if r.beams is not None]
 
     # ---- one step -------------------------------------------------------------------------------
     def step(self) -> SchedulerOutput | None:
@@ -423,11 +450,13 @@ class Engine:
         try:
             out = self.scheduler.schedule()
             output = self.model_agent.execute(StepInput.from_output(out))
-            result = self.outputs.process(out, output, self.num_steps, started)
+            result = self.outputs.process(out, output, self.requests, self.num_steps, started)
             self.scheduler.update(out, result.new_tokens, result.finished)
-            self.outputs.beam_responses(self.beam_search.advance(output.beam_rows), result)
+            done = self.beam_search.advance(output.beam_rows, self._beam_groups())
+            self.outputs.beam_responses([self.requests[g.request_id] for g in done], result)
             self.request_manager.publish_many(result.responses)
-            self._forget(result.done_sessions)
+            for request_id in result.ended:
+                self._release(self.requests[request_id])
         except FatalEngineError:
             raise
         except Exception as e:
@@ -436,12 +465,6 @@ class Engine:
             self._failed_steps = 0
         return out
 
-    def _forget(self, session_ids: Iterable[int]) -> None:
-        """Requests whose last Response is out: drop their state, free beams still held."""
-        for session_id in session_ids:
-            self.outputs.forget(session_id)
-            self.beam_search.finish(session_id)
-
     def _fail_step(self, out: SchedulerOutput | None, e: Exception) -> None:
         """Fail every request the step touched (every live one when scheduling itself failed)
         and free what they hold; if the scheduler is left inconsistent, or steps keep failing,
@@ -449,9 +472,11 @@ class Engine:
         self._failed_steps += 1
         logger.error("step failed; failing its requests:\n%s", traceback.format_exc())
         message = f"{STEP_FAILED}: {type(e).__name__}: {e}"
-        sessions = out.session_ids if out is not None else set(self.outputs.states)
-        for session_id in sorted(sessions):
-            self._finish_session(session_id, "error", message)
+        request_ids = out.request_ids if out is not None else set(self.requests)
+        for request_id in sorted(request_ids):
+            record = self.requests.get(request_id)
+            if record is not None:  # NOTE: one whose last Response is out was released
+                self._end(record, "error", message)
         self.scheduler.check_integrity()
         if self._failed_steps >= _MAX_FAILED_STEPS:
             raise FatalEngineError(f"{_MAX_FAILED_STEPS} steps in a row failed: {message}")

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from lmengine.config import GenerationConfig
-from lmengine.engine.request import AddRequest, CancelRequest, EndRequest, Response, new_queue
+from lmengine.engine.request import AddRequest, CancelRequest, Response, new_queue
 
 
 class EngineInstance:
@@ -23,13 +23,15 @@ class EngineInstance:
         user_id: str | None = None,
     ) -> Iterator[Response]:
         """Yield a Response after every generated token; the last has a finish_reason.
+        The session id is the request's id in the engine: a session runs one request at a
+        time.
 
         Closing the iterator early cancels the request. A beam-search request (`num_beams > 1`)
         yields its final Response only: its beams have no stable prefix to stream.
         """
         responses = new_queue()
         req = AddRequest(
-            session_id=session_id,
+            request_id=session_id,
             input_ids=list(input_ids) if isinstance(input_ids, tuple) else input_ids,
             gen_config=gen_config if gen_config is not None else GenerationConfig(),
             response_queue=responses,
@@ -60,5 +62,6 @@ class EngineInstance:
         self.engine.request_manager.submit(CancelRequest(session_id))
 
     def end(self, session_id: int) -> None:
-        """Cancel whatever the session runs and forget the session."""
-        self.engine.request_manager.submit(EndRequest(session_id))
+        """End the session: cancel whatever it runs (the engine keeps nothing else of a
+        session; its KV blocks stay in the prefix cache when that is on)."""
+        self.engine.request_manager.submit(CancelRequest(session_id))

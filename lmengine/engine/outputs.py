@@ -8,10 +8,11 @@ logprobs, speculative draft counts, and the final Response of a beam-search requ
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from lmengine.engine.beam import BeamGroup
 from lmengine.engine.detokenize import IncrementalDetokenizer
+from lmengine.engine.record import RequestRecord
 from lmengine.engine.request import AddRequest, Response
 from lmengine.engine.research import HiddenStates
 from lmengine.engine.step import ModelOutput
@@ -20,11 +21,10 @@ from lmengine.scheduler.sequence import Sequence
 
 
 @dataclass(eq=False)
-class RequestState:
-    """Engine-side state of one running request: its sequence, text, logprobs, draft counts."""
+class OutputState:
+    """What the output stage made of one request so far: text, logprobs, draft counts and
+    research results. Part of the request's record; only the output stage writes it."""
 
-    req: AddRequest
-    seq: Sequence
     detok: IncrementalDetokenizer | None
     logprobs: list[dict[int, float]] | None  # per generated token, when asked
     text: str | None = None
@@ -47,83 +47,94 @@ class RequestState:
         if rows is not None and self.hidden is not None:
             self.hidden.write(item.start_pos, rows)
 
-    def visible_text(self, finished: bool) -> str | None:
+    def visible_text(self, stop_words: list[str] | None, finished: bool) -> str | None:
         """Text safe to show: while running, hold back a tail that may start a stop word."""
-        words = self.req.gen_config.stop_words
-        if finished or not words or self.text is None:
+        if finished or not stop_words or self.text is None:
             return self.text
-        hold = max(len(w) for w in words) - 1
+        hold = max(len(w) for w in stop_words) - 1
         return self.text[: max(0, len(self.text) - hold)]
 
-    def response(self, token_ids: list[int], finish_reason: str | None) -> Response:
-        hidden = None
-        if self.hidden is not None:  # positions run: all but the last token (once there is one)
-            total = self.seq.num_prompt_tokens + len(token_ids)
-            hidden = self.hidden.view(min(self.hidden.num_valid, total - 1 if token_ids else total))
-        return Response(
-            text=self.visible_text(finish_reason is not None),
-            token_ids=token_ids,
-            finish_reason=finish_reason,
-            input_token_len=self.seq.num_prompt_tokens,
-            generate_token_len=len(token_ids),
-            logprobs=list(self.logprobs) if self.logprobs is not None else None,
-            num_draft_tokens=self.num_draft_tokens,
-            num_accepted_tokens=self.num_accepted_tokens,
-            prompt_logprobs=self.prompt_logprobs,
-            hidden_states=hidden,
-            metrics=self.req.metrics,
-        )
+
+def _response(record: RequestRecord, token_ids: list[int], finish_reason: str | None) -> Response:
+    state, seq = record.output, record.seq
+    hidden = None
+    if state.hidden is not None:  # positions run: all but the last token (once there is one)
+        total = seq.num_prompt_tokens + len(token_ids)
+        hidden = state.hidden.view(min(state.hidden.num_valid, total - 1 if token_ids else total))
+    return Response(
+        text=state.visible_text(record.request.gen_config.stop_words, finish_reason is not None),
+        token_ids=token_ids,
+        finish_reason=finish_reason,
+        input_token_len=seq.num_prompt_tokens,
+        generate_token_len=len(token_ids),
+        logprobs=list(state.logprobs) if state.logprobs is not None else None,
+        num_draft_tokens=state.num_draft_tokens,
+        num_accepted_tokens=state.num_accepted_tokens,
+        prompt_logprobs=state.prompt_logprobs,
+        hidden_states=hidden,
+        metrics=record.request.metrics,
+    )
 
 
 @dataclass
 class StepResult:
     """What the output stage made of one step."""
 
+    # for the Scheduler, by sequence
     new_tokens: dict[int, list[int]] = field(default_factory=dict)  # seq_id -> tokens to append
     finished: list[Sequence] = field(default_factory=list)  # sequences that end with this step
+    # for the callers, by request
     responses: list[tuple[AddRequest, Response]] = field(default_factory=list)
-    done_sessions: list[int] = field(default_factory=list)  # requests that end with this step
+    ended: list[int] = field(default_factory=list)  # ids of the requests this step ends
 
 
 class OutputProcessor:
-    """Holds the state of every running request (by session id) and turns each step's
-    results into Responses. Never touches the model, and changes no scheduler state: the
-    tokens and finished sequences it returns go to `Scheduler.update`."""
+    """Turns each step's results into Responses, writing only the records' output state.
+    Never touches the model, and changes no scheduler state: the tokens and finished
+    sequences it returns go to `Scheduler.update`, after it (it reads each Sequence as it
+    was before this step's tokens: `seq.num_generated_tokens` counts the earlier ones)."""
 
     def __init__(self, tokenizer, eos_token_ids: list[int]) -> None:
         self.tokenizer = tokenizer
         self.eos_token_ids = set(eos_token_ids)
-        self.states: dict[int, RequestState] = {}  # session_id -> running request
 
-    def add(self, req: AddRequest, seq: Sequence) -> None:
+    def new_state(self, req: AddRequest, seq: Sequence) -> OutputState:
+        """The output state of a request that starts."""
         detok = None
         if self.tokenizer is not None:
             cfg = req.gen_config
             detok = IncrementalDetokenizer(self.tokenizer, req.input_ids, cfg.skip_special_tokens)
         logprobs = [] if req.gen_config.logprobs is not None else None
         text = "" if detok is not None else None
-        state = RequestState(req, seq, detok, logprobs, text)
+        state = OutputState(detok, logprobs, text)
         spec = seq.research
         if spec is not None:
             if spec.prompt_logprobs is not None:  # None before the first scored token
                 first = min(max(1, spec.prompt_logprobs_start), seq.num_prompt_tokens)
                 state.prompt_logprobs = [None] * first
             state.hidden = HiddenStates(spec.hidden_layers) if spec.hidden_layers else None
-        self.states[req.session_id] = state
+        return state
 
     def process(
-        self, out: SchedulerOutput, output: ModelOutput, step: int = 0, started: float = 0.0
+        self,
+        out: SchedulerOutput,
+        output: ModelOutput,
+        requests: Mapping[int, RequestRecord],
+        step: int = 0,
+        started: float = 0.0,
     ) -> StepResult:
         """Check every sampled token for a stop, in order (with speculative decoding, tokens
         after a stop are dropped), and build one Response per request that sampled.
-        `step` and `started`: the engine's step number and its start (RequestMetrics)."""
+        `requests`: the engine's records by request id; `step` and `started`: the engine's
+        step number and its start (RequestMetrics)."""
         result = StepResult()
         has_research = bool(output.prompt_logprobs or output.hidden_states)
         now = time.monotonic()
         for item in out.scheduled:
             seq = item.seq
-            state = self.states[seq.session_id]
-            metrics = state.req.metrics
+            record = requests[seq.request_id]
+            state = record.output
+            metrics = record.request.metrics
             if metrics.first_scheduled_step is None:
                 metrics.first_scheduled_step, metrics.first_scheduled_time = step, started
             if has_research:
@@ -140,12 +151,12 @@ class OutputProcessor:
             reason = None
             if res.error is not None:
                 reason = "error"
-            elif state.req.gen_config.max_new_tokens == 0:
+            elif record.request.gen_config.max_new_tokens == 0:
                 reason = "length"  # the prompt only: scoring, reading activations
             else:
                 for i, token_id in enumerate(res.token_ids):
                     logprobs = res.logprobs[i] if res.logprobs is not None else None
-                    reason = self._check_stop(state, token_id, logprobs, len(accepted))
+                    reason = self._check_stop(record, token_id, logprobs, len(accepted))
                     accepted.append(token_id)
                     if reason is not None:
                         break
@@ -154,20 +165,20 @@ class OutputProcessor:
             result.new_tokens[seq.seq_id] = accepted
             state.num_draft_tokens += res.num_draft_tokens
             state.num_accepted_tokens += res.num_accepted_tokens
-            response = state.response([*seq.generated_token_ids, *accepted], reason)
+            response = _response(record, [*seq.generated_token_ids, *accepted], reason)
             response.error = res.error
-            result.responses.append((state.req, response))
+            result.responses.append((record.request, response))
             if reason is not None:
                 result.finished.append(seq)
-                result.done_sessions.append(seq.session_id)
+                result.ended.append(seq.request_id)
         return result
 
     def _check_stop(
-        self, state: RequestState, token_id: int, logprobs: dict | None, pending: int
+        self, record: RequestRecord, token_id: int, logprobs: dict | None, pending: int
     ) -> str | None:
         """Record a sampled token in the request's text and logprobs; return a finish reason
         or None. `pending`: tokens accepted before this one in the same step (speculative)."""
-        seq, cfg = state.seq, state.req.gen_config
+        state, seq, cfg = record.output, record.seq, record.request.gen_config
         if state.logprobs is not None:
             state.logprobs.append(logprobs or {})
         scan_from = len(state.text) if state.text is not None else 0
@@ -189,14 +200,15 @@ class OutputProcessor:
             return "length"
         return None
 
-    def beam_responses(self, groups: list[BeamGroup], result: StepResult) -> None:
-        """The final Response of each finished beam group, into `result`."""
-        for group in groups:
-            state = self.states[group.session_id]
-            cfg = state.req.gen_config
+    def beam_responses(self, records: list[RequestRecord], result: StepResult) -> None:
+        """The final Response of each beam request whose group is done, into `result`."""
+        for record in records:
+            group, req = record.beams, record.request
+            assert group is not None
+            cfg = req.gen_config
             tokens, scores = group.results(cfg.num_return_sequences)
             best = tokens[0]
-            texts = [self._text(t, state.req.input_ids, cfg.skip_special_tokens) for t in tokens]
+            texts = [self._text(t, req.input_ids, cfg.skip_special_tokens) for t in tokens]
             ends = bool(best) and best[-1] in group.eos_token_ids
             response = Response(
                 text=texts[0],
@@ -207,10 +219,10 @@ class OutputProcessor:
                 beam_token_ids=tokens,
                 beam_scores=scores,
                 beam_texts=texts if texts[0] is not None else None,
-                metrics=state.req.metrics,
+                metrics=req.metrics,
             )
-            result.responses.append((state.req, response))
-            result.done_sessions.append(group.session_id)
+            result.responses.append((req, response))
+            result.ended.append(record.request_id)
 
     def _text(self, tokens: list[int], prompt: list[int], skip: bool) -> str | None:
         if self.tokenizer is None:
@@ -220,20 +232,9 @@ class OutputProcessor:
             detok.add(t)
         return detok.text
 
-    def forget(self, session_id: int) -> None:
-        """The request's last Response is out."""
-        self.states.pop(session_id, None)
-
-    def finish(
-        self, session_id: int, reason: str, error: str | None, seq: Sequence | None = None
-    ) -> tuple[AddRequest, Response] | None:
-        """End a request outside a step's results (cancelled, failed): forget its state and
-        return its last Response, with what `seq` (default: its own) generated. None when the
-        session runs no request."""
-        state = self.states.pop(session_id, None)
-        if state is None:
-            return None
-        seq = seq if seq is not None else state.seq
-        response = state.response(list(seq.generated_token_ids), reason)
+    def final_response(self, record: RequestRecord, reason: str, error: str | None) -> Response:
+        """The last Response of a request that ends outside a step's results (cancelled,
+        failed): what its best sequence generated so far."""
+        response = _response(record, list(record.best_sequence().generated_token_ids), reason)
         response.error = error
-        return state.req, response
+        return response

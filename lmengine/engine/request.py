@@ -3,6 +3,10 @@
 Any thread submits; the engine loop thread drains. Every request is validated once, here, in
 the submitting thread: an invalid one is answered at once with `finish_reason="error"` and
 never reaches the engine. Each add request carries its own response queue.
+
+Inside the engine a request is known by its `request_id`. `EngineInstance` uses the caller's
+session id (lmdeploy's name: a conversation, one running request at a time) as the request
+id; the pipeline and the server draw fresh ids from `Engine.new_request_id`.
 """
 
 from __future__ import annotations
@@ -57,7 +61,7 @@ class Response:
     logprobs: list[dict[int, float]] | None = None  # per generated token: {token_id: logprob}
     index: int = 0  # position of the prompt in a pipeline batch
     error: str | None = None  # message when finish_reason == "error"
-    session_id: int | None = None
+    request_id: int | None = None  # the request this answers (EngineInstance: its session id)
     # speculative decoding: tokens drafted for this request so far, and how many were kept
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
@@ -73,10 +77,15 @@ class Response:
     hidden_states: dict[int, Any] | None = None  # layer -> torch.Tensor, on the CPU
     metrics: RequestMetrics | None = None  # the request's wait for its first token
 
+    @property
+    def session_id(self) -> int | None:
+        """lmdeploy's name of `request_id`, as `EngineInstance` callers know it."""
+        return self.request_id
+
 
 @dataclass
 class AddRequest:
-    session_id: int
+    request_id: int
     input_ids: list[int]
     gen_config: GenerationConfig
     response_queue: queue.Queue
@@ -91,12 +100,9 @@ class AddRequest:
 
 @dataclass
 class CancelRequest:
-    session_id: int
+    """Stop the request, free what it holds; its last Response says "cancel"."""
 
-
-@dataclass
-class EndRequest:
-    session_id: int
+    request_id: int
 
 
 @dataclass
@@ -107,7 +113,7 @@ class CallRequest:
     result_queue: queue.Queue
 
 
-Request = AddRequest | CancelRequest | EndRequest | CallRequest
+Request = AddRequest | CancelRequest | CallRequest
 
 
 class RequestError(ValueError):
@@ -129,13 +135,14 @@ def error_response(req: AddRequest, message: str) -> Response:
         error=message,
         input_token_len=len(req.input_ids) if isinstance(req.input_ids, list) else 0,
         index=req.index,
-        session_id=req.session_id,
+        request_id=req.request_id,
     )
 
 
 class RequestManager:
-    """Thread-safe inbox for requests; tracks outstanding add requests so that, if the loop
-    dies or the engine closes, every waiting caller gets an error instead of hanging."""
+    """Thread-safe inbox for requests. It holds a request only until the loop drains it: from
+    then on the engine's record of it (`Engine.requests`) is its only state. `close` refuses
+    new requests and answers those still in the inbox; the engine answers its own."""
 
     def __init__(
         self,
@@ -147,8 +154,7 @@ class RequestManager:
         self._current_step = current_step
         self._inbox: queue.Queue[Request] = queue.Queue()
         self._validate = validate
-        self._lock = threading.Lock()
-        self._outstanding: dict[int, AddRequest] = {}  # id(request) -> request
+        self._lock = threading.Lock()  # NOTE: a request enters the inbox or is refused, whole
         self._closed_reason: str | None = None
         self._wakeup = threading.Event()
 
@@ -163,21 +169,24 @@ class RequestManager:
             except RequestError as e:
                 req.response_queue.put(error_response(req, str(e)))
                 return
-            with self._lock:
-                if self._closed_reason is not None:
-                    req.response_queue.put(error_response(req, self._closed_reason))
-                    return
-                self._outstanding[id(req)] = req
-        elif self._closed_reason is not None:
-            if isinstance(req, CallRequest):
-                req.result_queue.put((False, RuntimeError(self._closed_reason)))
-            return
-        self._inbox.put(req)
-        self._wakeup.set()
+        with self._lock:
+            if self._closed_reason is None:
+                self._inbox.put(req)
+                self._wakeup.set()
+                return
+            reason = self._closed_reason
+        if isinstance(req, AddRequest):
+            req.response_queue.put(error_response(req, reason))
+        elif isinstance(req, CallRequest):
+            req.result_queue.put((False, RuntimeError(reason)))
 
     def num_pending(self) -> int:
         """Requests submitted and not yet taken by the loop."""
         return self._inbox.qsize()
+
+    @property
+    def closed_reason(self) -> str | None:
+        return self._closed_reason
 
     # ---- the engine loop thread ---------------------------------------------------------------
     def drain(self, block: bool, timeout: float = 0.05) -> list[Request]:
@@ -202,18 +211,11 @@ class RequestManager:
         """
         by_queue: dict[int, list[Response]] = {}
         queues: dict[int, queue.Queue] = {}
-        finished = []
         for req, response in pairs:
             response.index = req.index
-            response.session_id = req.session_id
-            if response.finish_reason is not None:
-                finished.append(req)
+            response.request_id = req.request_id
             by_queue.setdefault(id(req.response_queue), []).append(response)
             queues[id(req.response_queue)] = req.response_queue
-        if finished:
-            with self._lock:
-                for req in finished:
-                    self._outstanding.pop(id(req), None)
         for key, responses in by_queue.items():
             queues[key].put(responses[0] if len(responses) == 1 else responses)
 
@@ -222,23 +224,22 @@ class RequestManager:
         failed request): the failure path, which must not depend on `publish_many`, since
         that may be what failed."""
         response.index = req.index
-        response.session_id = req.session_id
-        with self._lock:
-            self._outstanding.pop(id(req), None)
+        response.request_id = req.request_id
         req.response_queue.put(response)
 
     def close(self, reason: str) -> None:
-        """Refuse new requests and answer every outstanding one with an error."""
+        """Refuse new requests and answer every one still in the inbox with an error (the
+        first reason given stays)."""
         with self._lock:
-            self._closed_reason = reason
-            pending, self._outstanding = list(self._outstanding.values()), {}
-        for req in self.drain(block=False):
-            if isinstance(req, AddRequest) and all(req is not p for p in pending):
-                pending.append(req)
+            if self._closed_reason is None:
+                self._closed_reason = reason
+            reason = self._closed_reason
+            pending = self.drain(block=False)
+        for req in pending:
+            if isinstance(req, AddRequest):
+                req.response_queue.put(error_response(req, reason))
             elif isinstance(req, CallRequest):
                 req.result_queue.put((False, RuntimeError(reason)))
-        for req in pending:
-            req.response_queue.put(error_response(req, reason))
         self._wakeup.set()
 
     def wake(self) -> None:

@@ -117,12 +117,12 @@ class RequestValidator:
             )
 
     def admit(
-        self, req: AddRequest, busy_sessions: Container[int], adapters: AdapterManager | None
+        self, req: AddRequest, running: Container[int], adapters: AdapterManager | None
     ) -> int | None:
         """Loop thread: refuse a request the engine's current state cannot take. Returns the
         id of the request's adapter (None without one)."""
-        if req.session_id in busy_sessions:
-            raise RequestError(f"session {req.session_id} already has a running request")
+        if req.request_id in running:
+            raise RequestError(f"session {req.request_id} already has a running request")
         if req.adapter_name is None:
             return None
         adapter_id = adapters.id_of(req.adapter_name) if adapters is not None else None

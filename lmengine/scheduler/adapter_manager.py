@@ -62,6 +62,7 @@ class AdapterManager:
         self.free_pages: dict[str, deque[int]] = {k: deque(range(n)) for k, n in capacity.items()}
         self.adapters: dict[int, _Adapter] = {}  # live ids, removed-but-busy included
         self.ids: dict[str, int] = {}  # name -> id of registered adapters
+        self.names: frozenset[str] = frozenset()  # the same names, swapped whole: any thread
         self._holders: dict[int, int] = {}  # seq_id -> adapter_id it holds
         self._next_id = itertools.count()
         self._clock = itertools.count(1)
@@ -87,6 +88,7 @@ class AdapterManager:
         adapter = _Adapter(next(self._next_id), name, {k: n for k, n in demand.items() if n})
         self.adapters[adapter.adapter_id] = adapter
         self.ids[name] = adapter.adapter_id
+        self.names = frozenset(self.ids)
         return adapter.adapter_id
 
     def remove(self, name: str) -> int:
@@ -94,6 +96,7 @@ class AdapterManager:
         if name not in self.ids:
             raise ValueError(f"unknown adapter {name!r}")
         adapter = self.adapters[self.ids.pop(name)]
+        self.names = frozenset(self.ids)
         adapter.is_removed = True
         if adapter.ref_count == 0:
             self._forget(adapter)

@@ -46,6 +46,6 @@ class SchedulerOutput:
     finished_seq_ids: list[int] = field(default_factory=list)  # sequences ended since last step
 
     @property
-    def session_ids(self) -> set[int]:
-        """The sessions whose sequences this step runs."""
-        return {item.seq.session_id for item in self.scheduled}
+    def request_ids(self) -> set[int]:
+        """The requests whose sequences this step runs."""
+        return {item.seq.request_id for item in self.scheduled}

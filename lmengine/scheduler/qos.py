@@ -40,6 +40,12 @@ from lmengine.scheduler.sequence import Sequence
 DEFAULT_ID = "default"
 
 
+def tenant_of(seq: Sequence) -> Tenant:
+    """The tenant of a sequence the QoS scheduler queued (`Scheduler.add_sequence` sets it)."""
+    assert seq.tenant is not None, "a sequence queued without QoS"
+    return seq.tenant
+
+
 class QoSError(ValueError):
     """A request whose user the QoS configuration cannot place."""
 
@@ -202,7 +208,7 @@ class QoS:
         self.usage.expire(now)
         by_tenant: dict[Tenant, list[Sequence]] = {}
         for seq in seqs:
-            by_tenant.setdefault(seq.tenant, []).append(seq)
+            by_tenant.setdefault(tenant_of(seq), []).append(seq)
         result: list[Sequence] = []
         for group in sorted({t.group for t in by_tenant}):
             queues = {
@@ -230,9 +236,10 @@ class QoS:
     def outranks(self, seq: Sequence, running: Sequence) -> bool | None:
         """True/False when groups decide whether waiting `seq` may preempt `running`; None
         when both belong to the same tenant and the policy decides."""
-        if seq.tenant.group != running.tenant.group:
-            return seq.tenant.group < running.tenant.group
-        return None if seq.tenant == running.tenant else False
+        mine, theirs = tenant_of(seq), tenant_of(running)
+        if mine.group != theirs.group:
+            return mine.group < theirs.group
+        return None if mine == theirs else False
 
     def stats(self, seqs_by_state: dict[str, list[Sequence]], now: float) -> dict:
         """Per group: queue lengths and served tokens (total and in the window); per user id:
@@ -250,7 +257,7 @@ class QoS:
         }
         for state, seqs in seqs_by_state.items():
             for seq in seqs:
-                groups[seq.tenant.group_name][f"num_{state}"] += 1
+                groups[tenant_of(seq).group_name][f"num_{state}"] += 1
         users: dict[str, dict] = {}
         tenants = [*self.config.tenants.values()]
         if self.config.default is not None:

@@ -20,7 +20,7 @@ the cached blocks of its longest cached prefix and starts computing after them; 
 newly full blocks are published in `update` (see prefix_cache.py).
 
 The Scheduler is the only writer of its queues and of the block pools. Others ask it:
-`add_sequence`, `abort_sequence`, `end_session`, and for beam search `fork` (a sequence that
+`add_sequence`, `remove_sequence`, and for beam search `fork` (a sequence that
 shares its parent's KV blocks), `append_token`, `park` and `requeue` (preempt by recompute).
 """
 
@@ -42,7 +42,8 @@ __all__ = ["ScheduledSequence", "Scheduler", "SchedulerOutput"]
 
 
 class Scheduler:
-    """Owns the waiting, running and swapped queues, the sessions and the BlockManager.
+    """Owns the waiting, running and swapped queues and the BlockManager: sequences and
+    blocks, nothing of the requests they belong to (the engine's records hold those).
 
     Never touches tensors. Every method runs on the engine's loop thread only.
     """
@@ -79,7 +80,6 @@ class Scheduler:
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.swapped: list[Sequence] = []
-        self.sessions: dict[int, list[Sequence]] = {}  # session_id -> its live sequences
         self.num_preemptions = 0  # by recompute or swap
         self.num_recomputes = 0
         self.num_swap_outs = 0
@@ -104,11 +104,11 @@ class Scheduler:
             seq.max_seq_len = self.max_seq_len
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
-        self.sessions.setdefault(seq.session_id, []).append(seq)
 
-    def abort_sequence(self, seq: Sequence) -> None:
-        """Remove `seq` wherever it is and free its blocks (finished, cancelled, failed).
-        Idempotent, and safe on a sequence a failed step left half-moved between queues."""
+    def remove_sequence(self, seq: Sequence) -> None:
+        """Take `seq` out wherever it is and free its blocks: it finished, was cancelled or
+        failed. Idempotent, and safe on a sequence a failed step left half-moved between
+        queues."""
         if seq.status != SequenceStatus.FINISHED:
             self._finished_seq_ids.append(seq.seq_id)
         self._dequeue(seq)
@@ -116,11 +116,6 @@ class Scheduler:
         if self.adapter_manager is not None:
             self.adapter_manager.release(seq)
         seq.status = SequenceStatus.FINISHED
-        live = self.sessions.get(seq.session_id)
-        if live is not None and seq in live:
-            live.remove(seq)
-            if not live:  # NOTE: forget idle sessions, or every request would leave a key
-                del self.sessions[seq.session_id]
 
     def _dequeue(self, seq: Sequence) -> None:
         """Take `seq` out of the queue its status names, or (after a step failed halfway)
@@ -132,13 +127,6 @@ class Scheduler:
                 return
         if seq in self.swapped:
             self.swapped.remove(seq)
-
-    def end_session(self, session_id: int) -> list[Sequence]:
-        """Abort every live sequence of the session and forget it; returns the aborted ones."""
-        seqs = list(self.sessions.pop(session_id, []))
-        for seq in seqs:
-            self.abort_sequence(seq)
-        return seqs
 
     @property
     def has_unfinished(self) -> bool:
@@ -398,7 +386,6 @@ class Scheduler:
         waits to be computed from scratch."""
         child = parent.fork(seq_id, token_id)
         self.num_forks += 1
-        self.sessions.setdefault(child.session_id, []).append(child)
         on_device = (
             parent.status == SequenceStatus.RUNNING
             and parent.num_computed_tokens == parent.num_tokens
@@ -433,7 +420,7 @@ class Scheduler:
         for item in out.scheduled:
             seq = item.seq
             if seq.status != SequenceStatus.RUNNING:
-                continue  # aborted during the step
+                continue  # removed during the step
             token = new_tokens.get(seq.seq_id)
             tokens = [token] if isinstance(token, int) else token or []
             seq.token_ids.extend(tokens)
@@ -443,7 +430,7 @@ class Scheduler:
                 mark = seq.num_tokens if tokens else seq.num_computed_tokens
                 self.qos.charge(seq, mark, now)
         for seq in finished:
-            self.abort_sequence(seq)
+            self.remove_sequence(seq)
 
     # ---- observability -----------------------------------------------------------------------
     def stats(self) -> dict:

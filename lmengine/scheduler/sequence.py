@@ -6,7 +6,14 @@ import dataclasses
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # NOTE: types only: the scheduler reads none of these objects' insides
+    from xgrammar import CompiledGrammar
+
+    from lmengine.config import GenerationConfig
+    from lmengine.engine.research import ResearchSpec
+    from lmengine.scheduler.qos import Tenant
 
 
 class SequenceStatus(enum.Enum):
@@ -45,13 +52,14 @@ class TokenCounts:
 
 @dataclass(eq=False)
 class Sequence(TokenCounts):
-    """Token state of one request. The scheduler owns it; the engine appends sampled tokens
-    through `Scheduler.update`. `gen_config` is opaque here except `max_new_tokens`."""
+    """Token state of one sequence of a request (beam search runs several). The scheduler
+    owns it; the engine appends sampled tokens through `Scheduler.update`. `gen_config` is
+    opaque here except `max_new_tokens`."""
 
     seq_id: int
-    session_id: int
+    request_id: int  # the engine's record of the request: Engine.requests[request_id]
     token_ids: list[int]  # prompt followed by generated tokens
-    gen_config: Any
+    gen_config: GenerationConfig
     priority: int | None = None
     user_id: str | None = None
     adapter_name: str | None = None
@@ -66,7 +74,7 @@ class Sequence(TokenCounts):
     num_preemptions: int = 0
     num_prompt_tokens: int = -1
     num_charged_tokens: int = 0  # tokens already counted as served to its QoS tenant
-    tenant: Any = None  # the QoS tenant (qos.Tenant) when QoS is on
+    tenant: Tenant | None = None  # the QoS tenant when QoS is on (set by the Scheduler)
     # nothing to compute until something outside the scheduler moves it on (a beam whose row
     # of this round is in, waiting for its group's other beams): never admitted while parked,
     # and the first to give its blocks back when nothing else can run
@@ -78,8 +86,8 @@ class Sequence(TokenCounts):
     # when steering changed them)
     max_cached_tokens: int | None = None
     shares_cache: bool = True
-    research: Any = None  # the request's ResearchSpec (engine/research.py), opaque here
-    grammar: Any = None  # structured outputs: the compiled grammar (engine/structured.py)
+    research: ResearchSpec | None = None  # what the request asks of the forward, opaque here
+    grammar: CompiledGrammar | None = None  # structured outputs (engine/structured.py)
 
     def __post_init__(self) -> None:
         if self.num_prompt_tokens < 0:

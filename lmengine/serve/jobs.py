@@ -1,9 +1,9 @@
 """The bridge between the engine thread and the server's event loop.
 
 Every HTTP request becomes a `Job`: one engine request per choice (n x prompts), each with its
-own engine session id. All jobs share one `ResponseRouter` as their response queue, so the
+own engine request id. All jobs share one `ResponseRouter` as their response queue, so the
 engine wakes the event loop once per step (not once per request), and the router hands each
-Response to its job by session id. A job that is cancelled (client gone, timeout, shutdown)
+Response to its job by request id. A job that is cancelled (client gone, timeout, shutdown)
 cancels its engine requests, which frees their KV blocks.
 """
 
@@ -25,14 +25,14 @@ class ResponseRouter:
     """The response queue of every engine request the server makes (it only needs `put`).
 
     The engine puts one Response or one list of Responses per step from its thread; the
-    router moves them to the event loop in one hand-off and dispatches them by session id.
+    router moves them to the event loop in one hand-off and dispatches them by request id.
     It never reads a response; a response for no known job (already finished) is dropped.
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self.loop_thread = threading.get_ident()  # NOTE: built on the event loop's thread
-        self.jobs: dict[int, Job] = {}  # engine session id -> job
+        self.jobs: dict[int, Job] = {}  # engine request id -> job
 
     def put(self, item: Response | list[Response]) -> None:
         if threading.get_ident() == self.loop_thread:  # a refusal inside submit()
@@ -42,7 +42,7 @@ class ResponseRouter:
 
     def _dispatch(self, item: Response | list[Response]) -> None:
         for resp in item if isinstance(item, list) else (item,):
-            job = self.jobs.get(resp.session_id)
+            job = self.jobs.get(resp.request_id)
             if job is not None:
                 job.on_response(resp)
 
@@ -57,7 +57,7 @@ class Choice:
     """One engine request of a job: its prompt, config and first and last responses.
     Plain data; only its Job updates it."""
 
-    session_id: int
+    request_id: int
     input_ids: list[int]
     gen_config: GenerationConfig
     first: Response | None = None  # its first response
@@ -86,7 +86,7 @@ class Job:
         its time to first token starts."""
         self.engine, self.router, self.metrics, self.endpoint = engine, router, metrics, endpoint
         self.choices: list[Choice] = []
-        self.by_session: dict[int, int] = {}  # engine session id -> choice index
+        self.by_request: dict[int, int] = {}  # engine request id -> choice index
         self.queue: asyncio.Queue = asyncio.Queue()  # (choice index, Response) or None (woken)
         self.start = received if received is not None else time.monotonic()
         self.deadline = self.start + timeout if timeout else None
@@ -105,15 +105,15 @@ class Job:
         user_id: str | None,
     ) -> None:
         for ids, cfg in zip(prompts, configs):
-            session_id = self.engine.new_session_id()
-            self.by_session[session_id] = len(self.choices)
-            self.choices.append(Choice(session_id, ids, cfg))
-            self.router.jobs[session_id] = self
+            request_id = self.engine.new_request_id()
+            self.by_request[request_id] = len(self.choices)
+            self.choices.append(Choice(request_id, ids, cfg))
+            self.router.jobs[request_id] = self
         self.metrics.num_in_flight += len(self.choices)
         self.metrics.num_queued += len(self.choices)
         for i, choice in enumerate(self.choices):
             req = AddRequest(
-                session_id=choice.session_id,
+                request_id=choice.request_id,
                 input_ids=choice.input_ids,
                 gen_config=choice.gen_config,
                 response_queue=self.router,
@@ -128,7 +128,7 @@ class Job:
 
     # ---- the event loop: responses ------------------------------------------------------------
     def on_response(self, resp: Response) -> None:
-        index = self.by_session.get(resp.session_id)
+        index = self.by_request.get(resp.request_id)
         if index is None:
             return
         choice = self.choices[index]
@@ -155,7 +155,7 @@ class Job:
 
     def _finish(self, choice: Choice, resp: Response, now: float) -> None:
         choice.final, choice.is_done = resp, True
-        self.router.jobs.pop(choice.session_id, None)
+        self.router.jobs.pop(choice.request_id, None)
         self.num_done += 1
         m = self.metrics
         m.num_in_flight -= 1
@@ -175,7 +175,7 @@ class Job:
         for choice in self.choices:
             if choice.is_done:
                 continue
-            self.engine.request_manager.submit(CancelRequest(choice.session_id))
+            self.engine.request_manager.submit(CancelRequest(choice.request_id))
             if choice.first is None:
                 self.metrics.num_queued -= 1
                 choice.first = Response(finish_reason="cancel")
