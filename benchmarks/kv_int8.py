@@ -78,7 +78,7 @@ def run_mode(model: str | None, kv: str, args) -> dict:
                 pass
             if r.error:
                 raise RuntimeError(r.error)
-            out_tokens += len(r.token_ids)
+            out_tokens += r.generate_token_len
         seconds = time.perf_counter() - t0
         engine.step = step
         stats = engine.stats()

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from lmengine.config import EngineConfig, GenerationConfig
 from lmengine.engine.engine import Engine
-from lmengine.engine.request import AddRequest, Response, new_queue
+from lmengine.engine.request import AddRequest, Answer, Response, new_queue
 
 Prompt = str | list[dict] | list[int]
 
@@ -148,24 +148,7 @@ class Pipeline:
         batch, _ = self._as_batch(prompts)
         responses = new_queue()
         self._submit(batch, gen_config, adapter_name, priority, responses, user_id)
-        seen_text = [""] * len(batch)
-        seen_tokens = [0] * len(batch)
-        for r in _responses(responses, len(batch)):
-            i = r.index
-            text = r.text or ""
-            delta = Response(
-                text=text[len(seen_text[i]) :],
-                token_ids=r.token_ids[seen_tokens[i] :],
-                finish_reason=r.finish_reason,
-                input_token_len=r.input_token_len,
-                generate_token_len=r.generate_token_len,
-                logprobs=r.logprobs[seen_tokens[i] :] if r.logprobs is not None else None,
-                index=i,
-                error=r.error,
-                request_id=r.request_id,
-            )
-            seen_text[i], seen_tokens[i] = text, len(r.token_ids)
-            yield delta
+        yield from _responses(responses, len(batch))  # NOTE: the engine sends deltas
 
     def __call__(
         self,
@@ -181,6 +164,7 @@ class Pipeline:
         batch, single = self._as_batch(prompts)
         responses = new_queue()
         self._submit(batch, gen_config, adapter_name, priority, responses, user_id)
+        answers = [Answer() for _ in batch]
         finals: list[Response | None] = [None] * len(batch)
         bar = None
         if use_tqdm:
@@ -188,8 +172,9 @@ class Pipeline:
 
             bar = tqdm(total=len(batch), desc="generating", unit="prompt")
         for r in _responses(responses, len(batch)):
+            answers[r.index].add(r)
             if r.finish_reason is not None:
-                finals[r.index] = r
+                finals[r.index] = answers[r.index].response(copy=False)
                 if bar is not None:
                     bar.update(1)
         if bar is not None:

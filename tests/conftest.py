@@ -54,6 +54,7 @@ TEST_KINDS = {
         "test_policies_engine.py",
         "test_sampling.py",
         "test_step_faults.py",
+        "test_streaming_cost.py",
         "test_structured_outputs.py",
     ],
     "parity": [

@@ -44,16 +44,16 @@ def test_stream_choices_deltas_error_event_usage_and_done():
         [
             (0, Response(text="He", token_ids=[1])),
             (1, Response(text="Yo", token_ids=[7])),
-            (0, Response(text="Hello", token_ids=[1, 2], finish_reason="length")),
-            (1, Response(text="Yo", token_ids=[7], finish_reason="error", error="boom")),
+            (0, Response(text="llo", token_ids=[2], finish_reason="length")),
+            (1, Response(text="", token_ids=[], finish_reason="error", error="boom")),
         ],
     )
     shape = ChunkShape("cmpl-1", "text_completion", "m", created=5)
     calls = []
 
-    def make_chunk(i, resp, delta, start):
-        calls.append((i, delta, start))
-        return shape.chunk(i, text=delta, finish_reason=resp.finish_reason)
+    def make_chunk(i, resp):
+        calls.append((i, resp.text, resp.token_ids))
+        return shape.chunk(i, text=resp.text, finish_reason=resp.finish_reason)
 
     opening = [shape.chunk(0, text="<echo>")]
     usage = {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
@@ -61,8 +61,8 @@ def test_stream_choices_deltas_error_event_usage_and_done():
     *chunks, done = sse_payloads(events)
     assert done == "[DONE]"
     chunks = [json.loads(c) for c in chunks]
-    # make_chunk sees only the new text and the index of the first new token of its choice
-    assert calls == [(0, "He", 0), (1, "Yo", 0), (0, "llo", 1)]
+    # make_chunk gets the engine's deltas as they are; a failed choice gets the error event
+    assert calls == [(0, "He", [1]), (1, "Yo", [7]), (0, "llo", [2])]
     texts = [(c["choices"][0]["index"], c["choices"][0]["text"]) for c in chunks[:4]]
     assert texts == [(0, "<echo>"), (0, "He"), (1, "Yo"), (0, "llo")]
     assert chunks[3]["choices"][0]["finish_reason"] == "length"
@@ -82,8 +82,8 @@ def test_stream_choices_skips_empty_chunks_and_usage_when_not_asked():
     job = ScriptedJob(1, [(0, Response(text="", token_ids=[])), (0, Response(text="a"))])
     shape = ChunkShape("c", "chat.completion.chunk", "m")
 
-    def make_chunk(i, resp, delta, start):
-        return shape.chunk(i, delta={"content": delta}) if delta else None
+    def make_chunk(i, resp):
+        return shape.chunk(i, delta={"content": resp.text}) if resp.text else None
 
     events = asyncio.run(collect(stream_choices(job, shape, [], make_chunk, None)))
     payloads = sse_payloads(events)

@@ -11,6 +11,7 @@ import torch
 
 from lmengine import Engine, EngineConfig, GenerationConfig
 from lmengine.engine.cache_engine import CacheEngine, CacheSpec
+from lmengine.engine.request import Answer
 from tests.engine_utils import random_prompts
 from tests.hf_reference import hf_greedy
 
@@ -165,12 +166,14 @@ def submit_at_once(engine, prompts, gens, priorities=None, user_ids=None, first_
 
 
 def final_responses(queues, timeout=600):
+    """Each queue's whole answer, assembled from the engine's deltas."""
     results = []
     for q in queues:
+        answer = Answer()
         while True:
-            r = q.get(timeout=timeout)
+            answer.add(r := q.get(timeout=timeout))
             if r.finish_reason is not None:
-                results.append(r)
+                results.append(answer.response(copy=False))
                 break
     return results
 

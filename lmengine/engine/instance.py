@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from lmengine.config import GenerationConfig
-from lmengine.engine.request import AddRequest, CancelRequest, Response, new_queue
+from lmengine.engine.request import AddRequest, Answer, CancelRequest, Response, new_queue
 
 
 class EngineInstance:
@@ -22,13 +22,37 @@ class EngineInstance:
         priority: int | None = None,
         user_id: str | None = None,
     ) -> Iterator[Response]:
-        """Yield a Response after every generated token; the last has a finish_reason.
-        The session id is the request's id in the engine: a session runs one request at a
-        time.
+        """Yield a Response with every token so far after every generated token; the last
+        has a finish_reason. The session id is the request's id in the engine: a session
+        runs one request at a time.
 
         Closing the iterator early cancels the request. A beam-search request (`num_beams > 1`)
         yields its final Response only: its beams have no stable prefix to stream.
         """
+        answer = Answer()
+        for delta in self._deltas(
+            session_id, input_ids, gen_config, adapter_name, priority, user_id
+        ):
+            answer.add(delta)
+            yield answer.response()
+
+    def infer(self, session_id: int, input_ids: list[int], **kwargs) -> Response:
+        """Run to completion and return the final Response."""
+        answer = Answer()
+        for delta in self._deltas(session_id, input_ids, **kwargs):
+            answer.add(delta)
+        return answer.response(copy=False)
+
+    def _deltas(
+        self,
+        session_id: int,
+        input_ids: list[int],
+        gen_config: GenerationConfig | None = None,
+        adapter_name: str | None = None,
+        priority: int | None = None,
+        user_id: str | None = None,
+    ) -> Iterator[Response]:
+        """The engine's deltas of one request until its last; closing early cancels it."""
         responses = new_queue()
         req = AddRequest(
             request_id=session_id,
@@ -49,13 +73,6 @@ class EngineInstance:
         finally:
             if not finished:
                 self.cancel(session_id)
-
-    def infer(self, session_id: int, input_ids: list[int], **kwargs) -> Response:
-        """Run to completion and return the final Response."""
-        final = None
-        for final in self.stream_infer(session_id, input_ids, **kwargs):  # noqa: B007
-            pass
-        return final
 
     def cancel(self, session_id: int) -> None:
         """Stop the session's running request; its stream ends with finish_reason 'cancel'."""

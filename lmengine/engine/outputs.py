@@ -3,6 +3,8 @@
 Everything between the model's results and what a caller reads happens here, once: stop
 checks (EOS, stop tokens, stop words, the length limit), incremental detokenization,
 logprobs, speculative draft counts, and the final Response of a beam-search request.
+Each Response is a delta: the tokens, logprobs and text new since the request's previous
+one, so a step's cost does not grow with the length of the answer.
 """
 
 from __future__ import annotations
@@ -26,8 +28,10 @@ class OutputState:
     research results. Part of the request's record; only the output stage writes it."""
 
     detok: IncrementalDetokenizer | None
-    logprobs: list[dict[int, float]] | None  # per generated token, when asked
-    text: str | None = None
+    new_logprobs: list[dict[int, float]] | None  # when asked: of the tokens not yet sent
+    text: str | None = None  # the whole text so far (stop words are searched in it)
+    num_sent_chars: int = 0  # of `text`, in Responses already built
+    num_sent_tokens: int = 0  # generated tokens in Responses already built
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     prompt_logprobs: list[dict[int, float] | None] | None = None  # when asked: filled in prefill
@@ -47,27 +51,41 @@ class OutputState:
         if rows is not None and self.hidden is not None:
             self.hidden.write(item.start_pos, rows)
 
-    def visible_text(self, stop_words: list[str] | None, finished: bool) -> str | None:
-        """Text safe to show: while running, hold back a tail that may start a stop word."""
-        if finished or not stop_words or self.text is None:
-            return self.text
-        hold = max(len(w) for w in stop_words) - 1
-        return self.text[: max(0, len(self.text) - hold)]
+    def text_delta(self, stop_words: list[str] | None, finished: bool) -> str | None:
+        """The text to send now, and mark it sent. While running, a tail that may start a
+        stop word is held back (so no sent text is ever taken back)."""
+        if self.text is None:
+            return None
+        end = len(self.text)
+        if stop_words and not finished:
+            end = max(self.num_sent_chars, end - (max(len(w) for w in stop_words) - 1))
+        delta = self.text[self.num_sent_chars : end]
+        self.num_sent_chars = end
+        return delta
 
 
-def _response(record: RequestRecord, token_ids: list[int], finish_reason: str | None) -> Response:
+def _response(
+    record: RequestRecord, new_tokens: list[int], num_generated: int, finish_reason: str | None
+) -> Response:
+    """The request's next delta: `new_tokens` not sent before, `num_generated` in all."""
     state, seq = record.output, record.seq
     hidden = None
     if state.hidden is not None:  # positions run: all but the last token (once there is one)
-        total = seq.num_prompt_tokens + len(token_ids)
-        hidden = state.hidden.view(min(state.hidden.num_valid, total - 1 if token_ids else total))
+        total = seq.num_prompt_tokens + num_generated
+        hidden = state.hidden.view(
+            min(state.hidden.num_valid, total - 1 if num_generated else total)
+        )
+    state.num_sent_tokens = num_generated
+    logprobs = state.new_logprobs
+    if logprobs is not None:
+        state.new_logprobs = []
     return Response(
-        text=state.visible_text(record.request.gen_config.stop_words, finish_reason is not None),
-        token_ids=token_ids,
+        text=state.text_delta(record.request.gen_config.stop_words, finish_reason is not None),
+        token_ids=new_tokens,
         finish_reason=finish_reason,
         input_token_len=seq.num_prompt_tokens,
-        generate_token_len=len(token_ids),
-        logprobs=list(state.logprobs) if state.logprobs is not None else None,
+        generate_token_len=num_generated,
+        logprobs=logprobs,
         num_draft_tokens=state.num_draft_tokens,
         num_accepted_tokens=state.num_accepted_tokens,
         prompt_logprobs=state.prompt_logprobs,
@@ -104,9 +122,9 @@ class OutputProcessor:
         if self.tokenizer is not None:
             cfg = req.gen_config
             detok = IncrementalDetokenizer(self.tokenizer, req.input_ids, cfg.skip_special_tokens)
-        logprobs = [] if req.gen_config.logprobs is not None else None
+        new_logprobs = [] if req.gen_config.logprobs is not None else None
         text = "" if detok is not None else None
-        state = OutputState(detok, logprobs, text)
+        state = OutputState(detok, new_logprobs, text)
         spec = seq.research
         if spec is not None:
             if spec.prompt_logprobs is not None:  # None before the first scored token
@@ -165,7 +183,8 @@ class OutputProcessor:
             result.new_tokens[seq.seq_id] = accepted
             state.num_draft_tokens += res.num_draft_tokens
             state.num_accepted_tokens += res.num_accepted_tokens
-            response = _response(record, [*seq.generated_token_ids, *accepted], reason)
+            num_generated = seq.num_generated_tokens + len(accepted)  # NOTE: before update
+            response = _response(record, accepted, num_generated, reason)
             response.error = res.error
             result.responses.append((record.request, response))
             if reason is not None:
@@ -179,8 +198,8 @@ class OutputProcessor:
         """Record a sampled token in the request's text and logprobs; return a finish reason
         or None. `pending`: tokens accepted before this one in the same step (speculative)."""
         state, seq, cfg = record.output, record.seq, record.request.gen_config
-        if state.logprobs is not None:
-            state.logprobs.append(logprobs or {})
+        if state.new_logprobs is not None:
+            state.new_logprobs.append(logprobs or {})
         scan_from = len(state.text) if state.text is not None else 0
         if state.detok is not None:
             state.detok.add(token_id)
@@ -233,8 +252,10 @@ class OutputProcessor:
         return detok.text
 
     def final_response(self, record: RequestRecord, reason: str, error: str | None) -> Response:
-        """The last Response of a request that ends outside a step's results (cancelled,
-        failed): what its best sequence generated so far."""
-        response = _response(record, list(record.best_sequence().generated_token_ids), reason)
+        """The last delta of a request that ends outside a step's results (cancelled,
+        failed): what its best sequence generated and no Response has carried yet."""
+        seq, sent = record.best_sequence(), record.output.num_sent_tokens
+        unsent = seq.token_ids[seq.num_prompt_tokens + sent :]
+        response = _response(record, unsent, sent + len(unsent), reason)
         response.error = error
         return response

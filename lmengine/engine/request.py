@@ -11,6 +11,7 @@ id; the pipeline and the server draw fresh ids from `Engine.new_request_id`.
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import threading
 import time
@@ -48,12 +49,17 @@ class RequestMetrics:
 
 @dataclass
 class Response:
-    """One update of a request. `token_ids` holds every token generated so far.
+    """One update of a request.
+
+    The engine publishes deltas: `token_ids`, `logprobs` and `text` hold what is new since
+    the request's previous Response (the counts, `generate_token_len` and the draft counts,
+    are totals). An `Answer` assembles them; `EngineInstance.stream_infer` yields the
+    assembled Response (every token so far), `Pipeline.stream_infer` the deltas.
 
     A response queue shared by several requests may receive a list of Responses (one step's
     updates at once); a queue owned by one request receives Response objects only."""
 
-    text: str | None = None  # decoded generated text so far (stop words removed)
+    text: str | None = None  # decoded generated text (stop words removed)
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # None while running; "stop", "length", "cancel", "error"
     input_token_len: int = 0
@@ -81,6 +87,50 @@ class Response:
     def session_id(self) -> int | None:
         """lmdeploy's name of `request_id`, as `EngineInstance` callers know it."""
         return self.request_id
+
+
+class Answer:
+    """A request's answer assembled from its deltas, in time and memory linear in its length:
+    the token ids, logprobs and text so far, and the latest delta's other fields."""
+
+    def __init__(self) -> None:
+        self.token_ids: list[int] = []
+        self.logprobs: list[dict[int, float]] | None = None
+        self._texts: list[str] | None = None  # NOTE: joined when read, then kept joined
+        self.last: Response | None = None
+
+    def add(self, delta: Response) -> None:
+        self.token_ids.extend(delta.token_ids)
+        if delta.logprobs is not None:
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs.extend(delta.logprobs)
+        if delta.text is not None:
+            if self._texts is None:
+                self._texts = []
+            self._texts.append(delta.text)
+        self.last = delta
+
+    @property
+    def text(self) -> str | None:
+        if self._texts is None:
+            return None
+        if len(self._texts) > 1:
+            self._texts = ["".join(self._texts)]
+        return self._texts[0] if self._texts else ""
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    def response(self, copy: bool = True) -> Response:
+        """The answer so far as one Response (every token so far): copies of its lists, or
+        the lists themselves (`copy=False`: once, when nothing is added after)."""
+        assert self.last is not None, "no Response yet"
+        tokens, logprobs = self.token_ids, self.logprobs
+        if copy:
+            tokens, logprobs = list(tokens), list(logprobs) if logprobs is not None else None
+        return dataclasses.replace(self.last, text=self.text, token_ids=tokens, logprobs=logprobs)
 
 
 @dataclass

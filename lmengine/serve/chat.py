@@ -87,7 +87,7 @@ def _whole(
         resp = c.final
         logprobs = None
         if body.logprobs:
-            logprobs = {"content": chat_logprobs(resp, 0, num_top, client.token_text)}
+            logprobs = {"content": chat_logprobs(resp, num_top, client.token_text)}
         output = ToolOutput(*tool_mode, client.settings.tool_call_parser)
         content, calls = output.final(resp.text or "")
         message = {"role": "assistant", "content": content if calls else resp.text or ""}
@@ -134,21 +134,27 @@ def _stream(
     parser = client.settings.tool_call_parser
     outputs = [ToolOutput(*tool_mode, parser) for _ in job.choices]
 
-    def make_chunk(i: int, resp, delta: str, start: int) -> dict | None:
-        delta, calls = outputs[i].delta(resp.text or "", resp.finish_reason is not None)
+    texts = [""] * len(job.choices)  # with tools: the text so far, which the parser reads
+
+    def make_chunk(i: int, resp) -> dict | None:
+        if outputs[i].mode == "none":
+            delta, calls = resp.text or "", None
+        else:
+            texts[i] += resp.text or ""
+            delta, calls = outputs[i].delta(texts[i], resp.finish_reason is not None)
         reason = finish_reason(resp)
         if resp.finish_reason is not None and outputs[i].called:
             reason = "tool_calls"
         logprobs = None
         if body.logprobs:
-            logprobs = {"content": chat_logprobs(resp, start, num_top, client.token_text)}
+            logprobs = {"content": chat_logprobs(resp, num_top, client.token_text)}
         extra = {}
         if pending_prompt[i]:  # vLLM's prompt_logprobs: in each choice's first chunk
             pending_prompt[i] = False
             extra["prompt_logprobs"] = vllm_prompt_logprobs(
                 job.choices[i].input_ids, resp, body.prompt_logprobs, client.token_text
             )
-        new_tokens = len(resp.token_ids) > start  # NOTE: a chunk even without text (completions)
+        new_tokens = bool(resp.token_ids)  # NOTE: a chunk even without text (completions)
         if not (delta or new_tokens or calls or resp.finish_reason or extra):
             return None
         message = {"content": delta} if delta or (new_tokens and not calls) else {}

@@ -110,9 +110,9 @@ def _logprobs(
     if body.logprobs is None:
         return None
     if echoed is None:
-        return completion_logprobs(resp, 0, body.logprobs, 0, client.token_text)[0]
+        return completion_logprobs(resp, body.logprobs, 0, client.token_text)[0]
     prompt, _ = echo_logprobs(choice.input_ids, resp, body.logprobs, client.token_text)
-    generated, _ = completion_logprobs(resp, 0, body.logprobs, len(echoed), client.token_text)
+    generated, _ = completion_logprobs(resp, body.logprobs, len(echoed), client.token_text)
     return join_legacy(prompt, generated)
 
 
@@ -132,11 +132,12 @@ def _stream(client: EngineClient, job: Job, body: CompletionRequest, echo) -> As
         ]
     first = [with_prompt] * num  # the choice's first chunk still has to carry its prompt
 
-    def make_chunk(i: int, resp, delta: str, start: int) -> dict | None:
+    def make_chunk(i: int, resp) -> dict | None:
+        delta = resp.text or ""
         logprobs = None
         if body.logprobs is not None:
             logprobs, offsets[i] = completion_logprobs(
-                resp, start, body.logprobs, offsets[i], client.token_text
+                resp, body.logprobs, offsets[i], client.token_text
             )
         extra = {}
         if first[i]:
@@ -153,7 +154,7 @@ def _stream(client: EngineClient, job: Job, body: CompletionRequest, echo) -> As
                 )
         # NOTE: a token without text yet (a special token, part of a character) is still a
         # chunk, as vLLM sends it: a client's first chunk must not wait for visible text
-        new_tokens = len(resp.token_ids) > start
+        new_tokens = bool(resp.token_ids)
         if not (delta or new_tokens or resp.finish_reason or logprobs or extra):
             return None
         return shape.chunk(

@@ -13,10 +13,10 @@ import asyncio
 import threading
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from lmengine.config import GenerationConfig
-from lmengine.engine.request import AddRequest, CancelRequest, Response
+from lmengine.engine.request import AddRequest, Answer, CancelRequest, Response
 from lmengine.serve.errors import APIError, engine_error
 from lmengine.serve.metrics import ServerMetrics
 
@@ -54,14 +54,16 @@ def timed_out() -> APIError:
 
 @dataclass
 class Choice:
-    """One engine request of a job: its prompt, config and first and last responses.
-    Plain data; only its Job updates it."""
+    """One engine request of a job: its prompt, config, its answer assembled from the
+    engine's deltas, and its first delta and whole last Response. Plain data; only its Job
+    updates it."""
 
     request_id: int
     input_ids: list[int]
     gen_config: GenerationConfig
-    first: Response | None = None  # its first response
-    final: Response | None = None  # its last response
+    answer: Answer = field(default_factory=Answer)
+    first: Response | None = None  # its first delta
+    final: Response | None = None  # its whole answer, once finished
     first_time: float | None = None
     is_done: bool = False
 
@@ -135,6 +137,7 @@ class Job:
         if choice.is_done:
             return
         now = time.monotonic()
+        choice.answer.add(resp)
         if choice.first is None:
             choice.first, choice.first_time = resp, now
             self.metrics.num_queued -= 1
@@ -146,11 +149,11 @@ class Job:
             if resp.finish_reason == "error" and resp.generate_token_len == 0:
                 # refused: the whole request fails, its other choices are cancelled
                 self.queue.put_nowait((index, resp))
-                self._finish(choice, resp, now)
+                self._finish(choice, choice.answer.response(copy=False), now)
                 self.cancel("refused")
                 return
         if resp.finish_reason is not None:
-            self._finish(choice, resp, now)
+            self._finish(choice, choice.answer.response(copy=False), now)
         self.queue.put_nowait((index, resp))
 
     def _finish(self, choice: Choice, resp: Response, now: float) -> None:
@@ -222,7 +225,7 @@ class Job:
         return None
 
     async def responses(self) -> AsyncIterator[tuple[int, Response]]:
-        """(choice index, Response) until every choice has finished; raises APIError(504)
+        """(choice index, the engine's delta) until every choice has finished; raises APIError(504)
         when the request's timeout passes (after cancelling it)."""
         while True:
             if self.queue.empty() and self.is_done:

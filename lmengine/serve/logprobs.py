@@ -32,10 +32,10 @@ def _top(dist: dict[int, float], num_top: int) -> list[tuple[int, float]]:
     return sorted(dist.items(), key=lambda kv: -kv[1])[:num_top]
 
 
-def chat_logprobs(resp: Response, start: int, num_top: int, token_text: TokenTexts) -> list[dict]:
-    """`logprobs.content` entries of the tokens from `start` on."""
+def chat_logprobs(resp: Response, num_top: int, token_text: TokenTexts) -> list[dict]:
+    """`logprobs.content` entries of the response's tokens."""
     out = []
-    for tok, dist in zip(resp.token_ids[start:], (resp.logprobs or [])[start:]):
+    for tok, dist in zip(resp.token_ids, resp.logprobs or []):
         text = token_text(tok)
         out.append(
             {
@@ -56,11 +56,11 @@ def chat_logprobs(resp: Response, start: int, num_top: int, token_text: TokenTex
 
 
 def completion_logprobs(
-    resp: Response, start: int, num_top: int, offset: int, token_text: TokenTexts
+    resp: Response, num_top: int, offset: int, token_text: TokenTexts
 ) -> tuple[dict, int]:
-    """The legacy `logprobs` object of the tokens from `start` on, whose text starts at
-    character `offset` of the choice; also returns the offset after them."""
-    pairs = zip(resp.token_ids[start:], (resp.logprobs or [])[start:])
+    """The legacy `logprobs` object of the response's tokens, whose text starts at character
+    `offset` of the choice; also returns the offset after them."""
+    pairs = zip(resp.token_ids, resp.logprobs or [])
     return legacy_logprobs(pairs, num_top, offset, token_text)
 
 

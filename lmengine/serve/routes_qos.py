@@ -129,12 +129,9 @@ async def interactive_turn(
         return result(final, final.text or "")
 
     async def stream():
-        sent = 0
         try:
-            async for _, resp in job.responses():
-                text = resp.text or ""
-                yield NDJSON.event(result(resp, text[sent:]))
-                sent = len(text)
+            async for _, delta in job.responses():
+                yield NDJSON.event(result(delta, delta.text or ""))
         finally:
             close_turn()
 

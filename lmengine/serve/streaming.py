@@ -3,8 +3,8 @@
 `run_job` waits for the job's first response (so a refusal is a 4xx status, not a broken
 stream), then answers with the whole body or a `StreamingResponse`; a client that leaves
 cancels the job and frees its KV blocks. `stream_choices` is the event stream of chat and
-completions: per-choice text deltas, an error event for a choice that fails mid-way, the
-`include_usage` chunk and `data: [DONE]`.
+completions: per-choice deltas as the engine sends them, an error event for a choice that
+fails mid-way, the `include_usage` chunk and `data: [DONE]`.
 """
 
 from __future__ import annotations
@@ -123,25 +123,20 @@ async def stream_choices(
     job: Job,
     shape: ChunkShape,
     opening: Iterable[dict],
-    make_chunk: Callable[[int, Response, str, int], dict | None],
+    make_chunk: Callable[[int, Response], dict | None],
     usage: Callable[[], dict] | None,
 ) -> AsyncIterator[str]:
     """The SSE events of a chat or completions stream: the `opening` chunks, then for each
-    response `make_chunk(choice index, response, new text, index of its first new token)`
-    (None: nothing to send), an error event for a choice that failed, the usage chunk when
-    `usage` is given, and `data: [DONE]`."""
+    of the engine's deltas `make_chunk(choice index, delta)` (None: nothing to send), an
+    error event for a choice that failed, the usage chunk when `usage` is given, and
+    `data: [DONE]`."""
     for chunk in opening:
         yield SSE.event(chunk)
-    sent_text = [0] * len(job.choices)
-    sent_tokens = [0] * len(job.choices)
-    async for i, resp in job.responses():
-        text = resp.text or ""
-        delta, start = text[sent_text[i] :], sent_tokens[i]
-        sent_text[i], sent_tokens[i] = len(text), len(resp.token_ids)
-        if resp.finish_reason == "error":
-            yield SSE.event(generation_error(resp.error or "generation failed").body())
+    async for i, delta in job.responses():
+        if delta.finish_reason == "error":
+            yield SSE.event(generation_error(delta.error or "generation failed").body())
             continue
-        chunk = make_chunk(i, resp, delta, start)
+        chunk = make_chunk(i, delta)
         if chunk is not None:
             yield SSE.event(chunk)
     if usage is not None:
