@@ -52,14 +52,7 @@ def run_mode(model: str | None, kv: str, args) -> dict:
     engine = Engine.from_pretrained(model, cfg)
     try:
         batches: list[int] = []
-        step = engine.step
-
-        def recording_step():
-            out = step()
-            batches.append(len(out.scheduled))
-            return out
-
-        engine.step = recording_step  # the loop thread calls self.step()
+        engine.add_observer(lambda report: batches.append(len(report.scheduled)))
         rng = random.Random(0)
         vocab = engine.tokenizer.vocab_size
         prompts = [
@@ -80,7 +73,6 @@ def run_mode(model: str | None, kv: str, args) -> dict:
                 raise RuntimeError(r.error)
             out_tokens += r.generate_token_len
         seconds = time.perf_counter() - t0
-        engine.step = step
         stats = engine.stats()
         engine.check_integrity()
         ppl = perplexity(engine, heldout_token_ids(engine.tokenizer), WINDOW, args.windows)

@@ -243,31 +243,24 @@ class Bench:
         'vip' arrivals; samples every step's cumulative served tokens per tenant."""
         samples: list[tuple[float, dict[str, int]]] = []
         eng = self.engine
-        step = eng.step
         t0 = time.perf_counter()
-
-        num_steps = [0]
         added_at: dict[int, int] = {}  # request id -> steps started before it was queued
         first_at: dict[int, int] = {}  # request id -> the step that sampled its first token
-        add = eng._add
 
-        def traced_add(req):
-            added_at[req.request_id] = num_steps[0]
-            add(req)
+        def observe(report) -> None:
+            # NOTE: on the loop thread, so steps count exactly (a client thread may wake up
+            # steps after its token was published)
+            for request_id in report.added:
+                added_at[request_id] = report.step - 1
+            for work in report.scheduled:
+                if work.needs_sample and work.num_generated_tokens == 1:
+                    first_at.setdefault(work.request_id, report.step)
+            users = report.counters["qos"]["users"]
+            samples.append(
+                (time.perf_counter() - t0, {u: v["num_served_tokens"] for u, v in users.items()})
+            )
 
-        def traced_step():
-            num_steps[0] += 1  # steps started so far
-            out = step()
-            for it in out.scheduled:
-                if it.needs_sample and it.seq.num_generated_tokens == 1:
-                    first_at.setdefault(it.seq.request_id, num_steps[0])
-            usage = eng.scheduler.qos.usage.total
-            samples.append((time.perf_counter() - t0, {t.user: v for t, v in usage.items()}))
-            return out
-
-        # NOTE: the loop calls self.step() and self._add(): these run on its thread, and count
-        # steps exactly (a client thread may wake up steps after its token was published)
-        eng.step, eng._add = traced_step, traced_add
+        eng.add_observer(observe)
         ttfts: dict[str, list[float]] = {}
         max_tokens = [0]
         lock = threading.Lock()
@@ -309,7 +302,7 @@ class Bench:
             th.start()
         for th in threads:
             th.join()
-        eng.step, eng._add = step, add
+        eng.remove_observer(observe)
         return samples, ttfts, max_tokens[0]
 
     def qos(self) -> None:

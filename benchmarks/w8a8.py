@@ -119,19 +119,10 @@ def _w1_run_here(path: str, ids: list[list[int]], new: int, num_gpu_blocks: int)
     with Engine.from_pretrained(path, EngineConfig(num_gpu_blocks=num_gpu_blocks)) as engine:
         Pipeline(engine)(ids[:4], gen_config=warm)
         log: list[float] = []
-        step = engine.step
-
-        def timed_step():
-            t = time.perf_counter()
-            out = step()
-            log.append(time.perf_counter() - t)
-            return out
-
-        engine.step = timed_step  # the loop thread looks it up every step
+        engine.add_observer(lambda report: log.append(report.seconds))
         t0 = time.perf_counter()
         outs = Pipeline(engine)(ids, gen_config=gen)
         dt = time.perf_counter() - t0
-        del engine.step
     bad = [o for o in outs if o.finish_reason == "error" or o.generate_token_len != new]
     if bad:
         raise RuntimeError(f"{path}: {bad[0].finish_reason} {bad[0].error}")

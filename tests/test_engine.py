@@ -218,3 +218,38 @@ def test_load_failure_raises_in_the_caller(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="config.json"):
         Engine.from_pretrained(str(tmp_path / "empty"))
+
+
+def test_step_observers_see_every_step(tiny_llama_path):
+    """An observer gets one report per step on the loop thread: what ran, by request, the
+    requests taken in and ended; one that raises is dropped and the engine goes on."""
+    reports, threads = [], set()
+
+    def observe(report):
+        threads.add(threading.current_thread().name)
+        reports.append((report, report.counters["num_running"]))
+
+    def broken(report):
+        raise RuntimeError("observer bug")
+
+    with Engine.from_pretrained(tiny_llama_path, EngineConfig(num_gpu_blocks=64)) as eng:
+        eng.add_observer(observe)
+        eng.add_observer(broken)
+        out = eng.create_instance().infer(
+            7, [5, 6, 7], gen_config=GenerationConfig(max_new_tokens=5, ignore_eos=True)
+        )
+        assert out.finish_reason == "length" and len(out.token_ids) == 5
+        eng.remove_observer(observe)
+        again = eng.create_instance().infer(
+            8, [5, 6], gen_config=GenerationConfig(max_new_tokens=2)
+        )
+        assert again.error is None
+    assert threads == {"lmengine-loop"}
+    steps = [r for r, _ in reports]
+    assert [r.step for r in steps] == list(range(steps[0].step, steps[0].step + 5))
+    assert steps[0].added == [7] and steps[-1].ended == [7]
+    assert steps[0].scheduled[0].request_id == 7 and steps[0].num_prefill_tokens == 3
+    assert [r.scheduled[0].num_generated_tokens for r in steps] == [1, 2, 3, 4, 5]
+    assert all(r.num_batched_tokens == sum(w.num_new_tokens for w in r.scheduled) for r in steps)
+    assert all(r.error is None and r.seconds > 0 for r in steps)
+    assert [n for _, n in reports] == [1, 1, 1, 1, 0]

@@ -231,6 +231,9 @@ def test_time_to_first_token_is_split_into_its_phases(server, client, model):
     parts = sum(delta(f"lmengine_request_{phase}_seconds_sum") for phase in PHASES)
     assert parts == pytest.approx(delta("lmengine_time_to_first_token_seconds_sum"), abs=1e-6)
     assert delta("lmengine_request_prefill_time_seconds_sum") > 0
+    # the engine's steps, from its step observer: every token of the answers went through one
+    assert delta("lmengine_engine_step_seconds_count") >= GREEDY["max_tokens"]
+    assert delta("lmengine_iteration_tokens_total_sum") >= 4 * (GREEDY["max_tokens"] - 1)
 
 
 def test_completion_stream_equals_nonstream(client, model):

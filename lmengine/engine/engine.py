@@ -32,11 +32,12 @@ from collections.abc import Callable
 import torch
 
 from lmengine.config import EngineConfig
+from lmengine.engine.adapters import LoraAdmin
 from lmengine.engine.beam import BeamSearch
 from lmengine.engine.loader import load_model_and_tokenizer
-from lmengine.engine.lora_pool import DEFAULT_MAX_LORA_RANK, AdapterWeights
 from lmengine.engine.malloc import keep_freed_memory
 from lmengine.engine.model_agent import ModelAgent
+from lmengine.engine.observer import StepReport, step_report
 from lmengine.engine.outputs import OutputProcessor
 from lmengine.engine.record import RequestRecord
 from lmengine.engine.request import (
@@ -54,7 +55,6 @@ from lmengine.engine.step import StepInput
 from lmengine.engine.validation import RequestValidator
 from lmengine.models.model_info import ModelInfo
 from lmengine.scheduler import (
-    AdapterManager,
     BlockManager,
     Scheduler,
     SchedulerOutput,
@@ -67,7 +67,7 @@ logger = logging.getLogger("lmengine")
 _MAX_FAILED_STEPS = 3  # consecutive failed steps before the loop gives up (a broken engine)
 
 
-class Engine:
+class Engine(LoraAdmin):
     """Serves generation requests from any number of threads with continuous batching.
 
     Holds no tensors itself: the ModelAgent owns weights and KV cache, the Scheduler owns
@@ -93,6 +93,9 @@ class Engine:
         self.model_path = model_path
         self._stop = threading.Event()
         self._stop_reason = "engine closed"  # what requests still running are told at the end
+        self._observers: tuple[Callable[[StepReport], None], ...] = ()  # swapped whole
+        self._added: list[int] = []  # request ids taken in since the last step (observers)
+        self._ended: list[int] = []  # request ids released since the last step (observers)
         self._failed_steps = 0  # consecutive steps that raised
         self._grammar_compiler = None  # structured outputs: built on first use
         self._grammar_lock = threading.Lock()
@@ -307,57 +310,26 @@ class Engine:
 
         return self.call(collect)
 
-    # ---- LoRA adapters ------------------------------------------------------------------------
-    def add_adapter(self, name: str, path: str) -> None:
-        """Load the peft LoRA folder `path` as adapter `name`: read and checked in the calling
-        thread, registered between two steps. Raises ValueError when the name is taken or
-        the adapter does not fit the base model or the LoRA pool."""
-        weights = self.model_agent.lora.read(path)  # NOTE: the steps go on meanwhile
-        self.call(lambda: self._add_adapters({name: weights}), timeout=None)
+    # ---- observers ------------------------------------------------------------------------------
+    def add_observer(self, fn: Callable[[StepReport], None]) -> None:
+        """Call `fn(report)` on the loop thread after every step (engine/observer.py)."""
+        self._observers = (*self._observers, fn)
 
-    def remove_adapter(self, name: str) -> None:
-        """Forget adapter `name`: new requests for it fail; running ones finish with it."""
-        self.call(lambda: self._remove_adapter(name))
+    def remove_observer(self, fn: Callable[[StepReport], None]) -> None:
+        self._observers = tuple(f for f in self._observers if f is not fn)
 
-    @property
-    def adapter_names(self) -> list[str]:
-        """The adapters served now (any thread)."""
-        return sorted(self._served_adapters())
-
-    def _served_adapters(self) -> frozenset[str]:
-        manager = self.scheduler.adapter_manager
-        return manager.names if manager is not None else frozenset()
-
-    def _enable_lora(self, weights: dict[str, AdapterWeights]) -> None:
-        cfg = self.engine_config
-        if cfg.quant_policy == "w8a8":  # adapters sit in float32 on GGUF blocks
-            raise ValueError(
-                f"LoRA adapters are not supported together with quant_policy={cfg.quant_policy!r}"
-            )
-        # NOTE: sized for the configured adapters; for one added later, leave room for others
-        ranks = [w.max_rank for w in weights.values()]
-        rank = cfg.max_lora_rank or max(ranks if cfg.adapters else [*ranks, DEFAULT_MAX_LORA_RANK])
-        capacity = self.model_agent.lora.enable(cfg.max_lora_slots, rank, cfg.max_cpu_loras)
-        self.scheduler.adapter_manager = AdapterManager(capacity)
-        self._register_adapters(weights)
-
-    def _add_adapters(self, weights: dict[str, AdapterWeights]) -> None:
-        if self.scheduler.adapter_manager is None:
-            self._enable_lora(weights)
-        else:
-            self._register_adapters(weights)
-
-    def _register_adapters(self, weights: dict) -> None:
-        manager = self.scheduler.adapter_manager
-        for name, w in weights.items():
-            self.model_agent.lora.store(manager.register(name, w.demand), w)
-
-    def _remove_adapter(self, name: str) -> None:
-        manager = self.scheduler.adapter_manager
-        if manager is None or name not in manager.ids:
-            raise ValueError(f"unknown adapter {name!r}")
-        manager.remove(name)
-        self.scheduler.block_manager.forget_adapter(name)  # prefix caching: stale KV
+    def _report(self, out: SchedulerOutput | None, started: float, error: str | None) -> None:
+        """Hand the step's report to every observer (built only when there is one)."""
+        report = step_report(
+            self.num_steps, started, out, self._added, self._ended, error, self.scheduler.stats
+        )
+        self._added, self._ended = [], []
+        for fn in self._observers:
+            try:
+                fn(report)
+            except Exception:
+                logger.error("step observer failed; removed:\n%s", traceback.format_exc())
+                self.remove_observer(fn)
 
     # ---- the loop thread ----------------------------------------------------------------------
     def _loop(self) -> None:
@@ -420,6 +392,8 @@ class Engine:
             record.beams = self.beam_search.new_group(seq)
         self.scheduler.add_sequence(seq)
         self.requests[req.request_id] = record
+        if self._observers:
+            self._added.append(req.request_id)
 
     def _end(self, record: RequestRecord, reason: str, error: str | None = None) -> None:
         """End a request outside a step's results (cancelled, failed): free it, then give its
@@ -434,6 +408,8 @@ class Engine:
         self.requests.pop(record.request_id, None)
         for seq in record.sequences():
             self.scheduler.remove_sequence(seq)
+        if self._observers:
+            self._ended.append(record.request_id)
 
     def _beam_groups(self) -> list:
         return [r.beams for r in self.requests.values() if r.beams is not None]
@@ -444,7 +420,7 @@ class Engine:
         requests of this step (finish_reason "error", their blocks freed) and the engine goes
         on; only a failure it cannot contain (a tensor-parallel rank lost mid-step, or
         failures step after step) stops the loop."""
-        out = None
+        out, error = None, None
         self.num_steps += 1
         started = time.monotonic()
         try:
@@ -460,15 +436,17 @@ class Engine:
         except FatalEngineError:
             raise
         except Exception as e:
-            self._fail_step(out, e)
+            error = self._fail_step(out, e)
         else:
             self._failed_steps = 0
+        if self._observers:
+            self._report(out, started, error)
         return out
 
-    def _fail_step(self, out: SchedulerOutput | None, e: Exception) -> None:
+    def _fail_step(self, out: SchedulerOutput | None, e: Exception) -> str:
         """Fail every request the step touched (every live one when scheduling itself failed)
         and free what they hold; if the scheduler is left inconsistent, or steps keep failing,
-        stop the loop (every waiting caller then gets an error)."""
+        stop the loop (every waiting caller then gets an error). Returns the requests' error."""
         self._failed_steps += 1
         logger.error("step failed; failing its requests:\n%s", traceback.format_exc())
         message = f"{STEP_FAILED}: {type(e).__name__}: {e}"
@@ -480,6 +458,7 @@ class Engine:
         self.scheduler.check_integrity()
         if self._failed_steps >= _MAX_FAILED_STEPS:
             raise FatalEngineError(f"{_MAX_FAILED_STEPS} steps in a row failed: {message}")
+        return message
 
 
 def _adapter_names(seqs) -> list[str]:

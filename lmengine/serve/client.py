@@ -38,6 +38,7 @@ class EngineClient:
         self.tokenizer = engine.tokenizer
         self.session_len: int = engine.session_len
         self.metrics = ServerMetrics()
+        engine.add_observer(self.metrics.observe_step)
         self.router: ResponseRouter | None = None  # built on the event loop at startup
         self.sessions: dict[int, dict] = {}  # interactive session id -> history
         self.created = int(time.time())
@@ -174,6 +175,7 @@ class EngineClient:
             )
 
     def close(self) -> None:
+        self.engine.remove_observer(self.metrics.observe_step)
         self._tokenizing.shutdown(wait=False, cancel_futures=True)
 
     def end_requests(self, reason: str) -> None:

@@ -1,8 +1,9 @@
 """Server metrics in the Prometheus text format (no client library needed).
 
-Counters and histograms are updated by the server's event loop thread only; the engine's
-gauges (running / waiting / swapped requests, KV blocks, per-QoS-group counters) are read from
-`engine.stats()` at scrape time. Keys missing from the stats are reported as 0.
+Counters and histograms are updated by the server's event loop thread, except the engine step
+histograms, which a step observer (`Engine.add_observer`) updates on the engine's loop thread;
+the engine's gauges (running / waiting / swapped requests, KV blocks, per-QoS-group counters)
+are read from `engine.stats()` at scrape time. Keys missing from the stats are reported as 0.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import math
 import time
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 # engine.stats() key -> (metric name, help); exported as gauges, 0 when the key is missing
 ENGINE_GAUGES = {
@@ -92,6 +94,16 @@ class ServerMetrics:
             name: Histogram(f"lmengine_request_{name}_seconds", help_text)
             for name, help_text in FIRST_TOKEN_PHASES.items()
         }
+        # every engine step (`observe_step`, on the engine's loop thread)
+        self.step_seconds = Histogram("lmengine_engine_step_seconds", "engine step duration")
+        self.step_tokens = Histogram(
+            "lmengine_iteration_tokens_total", "tokens computed per engine step", TOKEN_BUCKETS
+        )
+
+    def observe_step(self, report) -> None:
+        """A step observer (`Engine.add_observer`): the step's duration and tokens."""
+        self.step_seconds.observe(report.seconds)
+        self.step_tokens.observe(report.num_batched_tokens)
 
     def observe_first_token(self, received: float, m, now: float) -> None:
         """The phases of one choice's wait for its first token, from the HTTP request's
@@ -155,7 +167,8 @@ class ServerMetrics:
         ]
         for status, n in sorted(self.http_errors.items()):
             lines.append(f'lmengine_http_errors_total{{status="{status}"}} {n}')
-        for hist in (self.ttft, self.tpot, self.e2e, *self.phases.values()):
+        steps = (self.step_seconds, self.step_tokens)
+        for hist in (self.ttft, self.tpot, self.e2e, *self.phases.values(), *steps):
             lines += hist.render()
         return "\n".join(lines) + "\n"
 
