@@ -113,7 +113,7 @@ def _stage(engine: Engine, stage: str, at: int) -> Fault:
         "forward": (engine.model_agent.runner, "run"),
         "sampling": (engine.model_agent, "sample"),
         "verify": (engine.model_agent.verifier, "verify"),
-        "outputs": (engine.outputs, "process"),
+        "outputs": (engine.output_stage, "process"),
         "detokenize": (IncrementalDetokenizer, "add"),
         "update": (engine.scheduler, "update"),
         "beams": (engine.beam_search, "advance"),

@@ -18,7 +18,7 @@ again. BeamSearch changes sequences and blocks only through the Scheduler's meth
 
 Streaming: a beam request publishes one Response, when the group is done (the best
 hypothesis; `beam_token_ids` and `beam_scores` hold the `num_return_sequences` best; the
-output stage builds it, lmengine/engine/outputs.py).
+output stage builds it, lmengine/engine/output_stage.py).
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ from lmengine.engine.loader import load_model_and_tokenizer
 from lmengine.engine.malloc import keep_freed_memory
 from lmengine.engine.model_agent import ModelAgent
 from lmengine.engine.observer import StepReport, step_report
-from lmengine.engine.outputs import OutputProcessor
+from lmengine.engine.output_stage import OutputProcessor
 from lmengine.engine.record import RequestRecord
 from lmengine.engine.request import (
     STEP_FAILED,
@@ -184,7 +184,7 @@ class Engine(LoraAdmin):
         self.num_steps = 0  # steps started; RequestMetrics count in these
         self.request_manager = RequestManager(self.validator.validate, lambda: self.num_steps)
         self.requests: dict[int, RequestRecord] = {}  # request id -> record (loop thread only)
-        self.outputs = OutputProcessor(self.tokenizer, self.info.eos_token_ids)
+        self.output_stage = OutputProcessor(self.tokenizer, self.info.eos_token_ids)
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count(1 << 48)  # auto ids, far from user-chosen ones
         self.beam_search = BeamSearch(self.scheduler, self.info.eos_token_ids, self._seq_ids)
@@ -387,7 +387,7 @@ class Engine(LoraAdmin):
             research=research,
             grammar=req.grammar,
         )
-        record = RequestRecord(req, seq, self.outputs.new_state(req, seq))
+        record = RequestRecord(req, seq, self.output_stage.new_state(req, seq))
         if req.gen_config.num_beams > 1:
             record.beams = self.beam_search.new_group(seq)
         self.scheduler.add_sequence(seq)
@@ -398,7 +398,7 @@ class Engine(LoraAdmin):
     def _end(self, record: RequestRecord, reason: str, error: str | None = None) -> None:
         """End a request outside a step's results (cancelled, failed): free it, then give its
         caller the last Response."""
-        final = self.outputs.final_response(record, reason, error)
+        final = self.output_stage.final_response(record, reason, error)
         self._release(record)
         self.request_manager.deliver(record.request, final)
 
@@ -420,28 +420,30 @@ class Engine(LoraAdmin):
         requests of this step (finish_reason "error", their blocks freed) and the engine goes
         on; only a failure it cannot contain (a tensor-parallel rank lost mid-step, or
         failures step after step) stops the loop."""
-        out, error = None, None
+        plan, error = None, None
         self.num_steps += 1
         started = time.monotonic()
         try:
-            out = self.scheduler.schedule()
-            output = self.model_agent.execute(StepInput.from_output(out))
-            result = self.outputs.process(out, output, self.requests, self.num_steps, started)
-            self.scheduler.update(out, result.new_tokens, result.finished)
-            done = self.beam_search.advance(output.beam_rows, self._beam_groups())
-            self.outputs.beam_responses([self.requests[g.request_id] for g in done], result)
+            plan = self.scheduler.schedule()
+            model_out = self.model_agent.execute(StepInput.from_output(plan))
+            result = self.output_stage.process(
+                plan, model_out, self.requests, self.num_steps, started
+            )
+            self.scheduler.update(plan, result.new_tokens, result.finished)
+            done = self.beam_search.advance(model_out.beam_rows, self._beam_groups())
+            self.output_stage.beam_responses([self.requests[g.request_id] for g in done], result)
             self.request_manager.publish_many(result.responses)
             for request_id in result.ended:
                 self._release(self.requests[request_id])
         except FatalEngineError:
             raise
         except Exception as e:
-            error = self._fail_step(out, e)
+            error = self._fail_step(plan, e)
         else:
             self._failed_steps = 0
         if self._observers:
-            self._report(out, started, error)
-        return out
+            self._report(plan, started, error)
+        return plan
 
     def _fail_step(self, out: SchedulerOutput | None, e: Exception) -> str:
         """Fail every request the step touched (every live one when scheduling itself failed)

@@ -29,10 +29,9 @@ class EngineInstance:
         Closing the iterator early cancels the request. A beam-search request (`num_beams > 1`)
         yields its final Response only: its beams have no stable prefix to stream.
         """
+        options = dict(adapter_name=adapter_name, priority=priority, user_id=user_id)
         answer = Answer()
-        for delta in self._deltas(
-            session_id, input_ids, gen_config, adapter_name, priority, user_id
-        ):
+        for delta in self._deltas(session_id, input_ids, gen_config, **options):
             answer.add(delta)
             yield answer.response()
 
@@ -48,20 +47,17 @@ class EngineInstance:
         session_id: int,
         input_ids: list[int],
         gen_config: GenerationConfig | None = None,
-        adapter_name: str | None = None,
-        priority: int | None = None,
-        user_id: str | None = None,
+        **options,
     ) -> Iterator[Response]:
-        """The engine's deltas of one request until its last; closing early cancels it."""
+        """The engine's deltas of one request until its last; closing early cancels it.
+        `options`: AddRequest's adapter_name, priority and user_id."""
         responses = new_queue()
         req = AddRequest(
             request_id=session_id,
             input_ids=list(input_ids) if isinstance(input_ids, tuple) else input_ids,
             gen_config=gen_config if gen_config is not None else GenerationConfig(),
             response_queue=responses,
-            adapter_name=adapter_name,
-            priority=priority,
-            user_id=user_id,
+            **options,
         )
         self.engine.request_manager.submit(req)
         finished = False

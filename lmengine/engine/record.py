@@ -19,7 +19,7 @@ from lmengine.scheduler.sequence import Sequence
 
 if TYPE_CHECKING:
     from lmengine.engine.beam import BeamGroup
-    from lmengine.engine.outputs import OutputState
+    from lmengine.engine.output_stage import OutputState
 
 
 @dataclass(eq=False)

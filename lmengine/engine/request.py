@@ -17,9 +17,14 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lmengine.config import GenerationConfig
+
+if TYPE_CHECKING:
+    from xgrammar import CompiledGrammar
+
+    from lmengine.engine.research import ResearchSpec
 
 
 @dataclass
@@ -143,8 +148,9 @@ class AddRequest:
     priority: int | None = None
     user_id: str | None = None
     index: int = 0
-    research: Any = None  # ResearchSpec, set by the validator when the request asks for one
-    grammar: Any = None  # compiled structured_outputs, set by the validator
+    # set by the validator (RequestValidator.validate), the one place that creates them
+    research: ResearchSpec | None = None  # what the request asks of the forward
+    grammar: CompiledGrammar | None = None  # its compiled structured_outputs
     metrics: RequestMetrics = field(default_factory=RequestMetrics)  # stamped by the engine
 
 

@@ -10,7 +10,7 @@ of the model's raw distribution (before any processing).
 
 from __future__ import annotations
 
-from collections.abc import Sequence as Seq
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -42,7 +42,7 @@ def sequence_output(
     )
 
 
-def apply_logits_processors(logits: torch.Tensor, seqs: Seq) -> dict[int, str]:
+def apply_logits_processors(logits: torch.Tensor, seqs: Sequence) -> dict[int, str]:
     """Run each request's logits processors on its row of `logits` [rows, vocab], in place,
     in order, each called as `processor(token_ids, row)` with a copy of the request's tokens
     so far (transformers' and vLLM's convention). A processor that raises or returns
@@ -134,7 +134,7 @@ def greedy_one_hot(logits: torch.Tensor) -> torch.Tensor:
     return torch.zeros_like(logits).scatter_(1, greedy(logits)[:, None], 1.0)
 
 
-def penalised(seqs: Seq) -> bool:
+def penalised(seqs: Sequence) -> bool:
     """Whether `Sampler._apply_penalties` changes any row of these sequences' logits."""
     for seq in seqs:
         c = seq.gen_config
@@ -148,7 +148,7 @@ def penalised(seqs: Seq) -> bool:
 class Sampler:
     """Turns logits into tokens for a batch of sequences. Holds per-request generators."""
 
-    def __init__(self, eos_token_ids: Seq[int], device: torch.device) -> None:
+    def __init__(self, eos_token_ids: Sequence[int], device: torch.device) -> None:
         self.eos_token_ids = list(eos_token_ids)
         self.device = device
         self._generators: dict[int, torch.Generator] = {}
@@ -165,7 +165,7 @@ class Sampler:
             self._generators[seq.seq_id] = gen
         return gen
 
-    def sample(self, logits: torch.Tensor, seqs: Seq) -> list[SampleResult]:
+    def sample(self, logits: torch.Tensor, seqs: Sequence) -> list[SampleResult]:
         """logits: [num_samples, vocab] float32, row i for seqs[i]."""
         cfgs = [s.gen_config for s in seqs]
         has_penalties = penalised(seqs)
@@ -219,7 +219,7 @@ class Sampler:
         keep = [i for i in range(len(seqs)) if i not in taken]
         return by_seq, logits[keep], [seqs[i] for i in keep]
 
-    def probabilities(self, logits: torch.Tensor, seqs: Seq) -> torch.Tensor:
+    def probabilities(self, logits: torch.Tensor, seqs: Sequence) -> torch.Tensor:
         """The distribution each row's token is drawn from, [num_rows, vocab]: after the
         penalties, a one-hot of the argmax for greedy rows, else the softmax after
         temperature, top-k and top-p. `seqs` may be any objects with a sequence's
@@ -234,7 +234,7 @@ class Sampler:
             )
         return probs
 
-    def _sampling_probs(self, logits: torch.Tensor, cfgs: Seq) -> torch.Tensor:
+    def _sampling_probs(self, logits: torch.Tensor, cfgs: Sequence) -> torch.Tensor:
         """softmax(_warp(logits)), [rows, vocab]. A row the warping turned into NaN (a
         temperature or penalty so extreme that its logits overflow to inf) becomes the one-hot
         of its greedy token: the limit that distribution tends to."""
@@ -244,7 +244,9 @@ class Sampler:
             probs[bad] = greedy_one_hot(logits[bad])
         return probs
 
-    def results(self, logits: torch.Tensor, tokens: list[int], cfgs: Seq) -> list[SampleResult]:
+    def results(
+        self, logits: torch.Tensor, tokens: list[int], cfgs: Sequence
+    ) -> list[SampleResult]:
         """SampleResults for the chosen `tokens`, with logprobs of the raw `logits` rows
         where the request asked for them."""
         results = [SampleResult(t) for t in tokens]
@@ -265,7 +267,7 @@ class Sampler:
             results[i].top_logprobs = top
         return results
 
-    def exponential_noise(self, like: torch.Tensor, seqs: Seq) -> torch.Tensor:
+    def exponential_noise(self, like: torch.Tensor, seqs: Sequence) -> torch.Tensor:
         """Exp(1) noise shaped like `like` [rows, n]; a seeded request's row comes from its
         own generator. argmax(p / noise) draws from p (the exponential race)."""
         noise = torch.empty_like(like).exponential_()
@@ -274,7 +276,7 @@ class Sampler:
                 noise[row].exponential_(generator=self._generator(seq))
         return noise
 
-    def uniform(self, rows: int, cols: int, seqs: Seq) -> torch.Tensor:
+    def uniform(self, rows: int, cols: int, seqs: Sequence) -> torch.Tensor:
         """U[0, 1) draws, [rows, cols]; a seeded request's row comes from its own generator."""
         out = torch.rand(rows, cols, device=self.device)
         for row, seq in enumerate(seqs):
@@ -282,7 +284,7 @@ class Sampler:
                 out[row] = torch.rand(cols, generator=self._generator(seq), device=self.device)
         return out
 
-    def _apply_penalties(self, logits: torch.Tensor, seqs: Seq) -> torch.Tensor:
+    def _apply_penalties(self, logits: torch.Tensor, seqs: Sequence) -> torch.Tensor:
         """Repetition, presence and frequency penalties, banned n-grams and the stop tokens
         that min_new_tokens holds back, in place on `logits`; `penalised` says whether any
         of them applies."""
@@ -321,7 +323,7 @@ class Sampler:
                     logits[i, stops] = float("-inf")
         return logits
 
-    def _warp(self, logits: torch.Tensor, cfgs: Seq) -> torch.Tensor:
+    def _warp(self, logits: torch.Tensor, cfgs: Sequence) -> torch.Tensor:
         """Temperature, then top-k and top-p (filtered entries -inf). logits: [rows, vocab]."""
         dev = logits.device
         temperature = torch.tensor([c.temperature for c in cfgs], device=dev)

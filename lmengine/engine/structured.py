@@ -15,12 +15,15 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence as Seq
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from lmengine.engine.request import RequestError
+
+if TYPE_CHECKING:
+    from xgrammar import CompiledGrammar
 
 # xgrammar's messages start with "[hh:mm:ss] /path/file.cc:123: "; the user needs the rest
 _LOCATION = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
@@ -64,7 +67,7 @@ def tag_without_raw_control_chars(tag: Any) -> Any:
     return out
 
 
-def choice_grammar(choices: Seq[str]) -> str:
+def choice_grammar(choices: Sequence[str]) -> str:
     """An EBNF grammar whose sentences are exactly `choices` (JSON-escaped literals)."""
     return "root ::= " + " | ".join(json.dumps(c) for c in choices)
 
@@ -73,7 +76,7 @@ class GrammarCompiler:
     """Compiles `structured_outputs` specs for one tokenizer and vocabulary (xgrammar's
     compiler and its cache). Any thread."""
 
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: Seq[int]) -> None:
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: Sequence[int]) -> None:
         import xgrammar as xgr
 
         info = xgr.TokenizerInfo.from_huggingface(
@@ -81,7 +84,7 @@ class GrammarCompiler:
         )
         self._compiler = xgr.GrammarCompiler(info, max_threads=2)
 
-    def compile(self, spec: dict) -> Any:
+    def compile(self, spec: dict) -> CompiledGrammar:
         """The CompiledGrammar of a `structured_outputs` spec (its shape already checked by
         GenerationConfig); RequestError with xgrammar's message when it does not compile."""
         ((kind, value),) = spec.items()
@@ -130,7 +133,7 @@ class GrammarMasks:
             matcher = self._matchers[seq.seq_id] = xgr.GrammarMatcher(seq.grammar)
         return matcher
 
-    def apply(self, logits: torch.Tensor, seqs: Seq) -> tuple[list[int], dict[int, str]]:
+    def apply(self, logits: torch.Tensor, seqs: Sequence) -> tuple[list[int], dict[int, str]]:
         """Mask, in place, the tokens each constrained row's grammar forbids next (logits
         [rows, vocab], row i for seqs[i]). Returns the rows whose matchers advance by the
         chosen token, and row -> error for rows where no token of the vocabulary can
@@ -150,7 +153,11 @@ class GrammarMasks:
         return [i for i in rows if i not in dead], errors
 
     def apply_with_drafts(
-        self, logits: torch.Tensor, seqs: Seq, first_rows: Seq[int], drafts: Seq[list[int]]
+        self,
+        logits: torch.Tensor,
+        seqs: Sequence,
+        first_rows: Sequence[int],
+        drafts: Sequence[list[int]],
     ) -> None:
         """Speculative decoding: mask, in place, the rows of every constrained sequence's
         chunk end and drafts (logits [rows, vocab]; sequence b's rows from first_rows[b]):
@@ -188,7 +195,7 @@ class GrammarMasks:
                 return f"structured output: the grammar refused token {token}"
         return None
 
-    def accept(self, seqs: Seq, rows: list[int], tokens: list[int]) -> dict[int, str]:
+    def accept(self, seqs: Sequence, rows: list[int], tokens: list[int]) -> dict[int, str]:
         """Advance the matchers of `rows` by their chosen tokens; row -> error message."""
         errors = {i: self.accept_tokens(seqs[i], [tokens[i]]) for i in rows}
         return {i: e for i, e in errors.items() if e is not None}

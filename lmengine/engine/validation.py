@@ -12,12 +12,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Container
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from lmengine.config import GenerationConfig
 from lmengine.engine.request import AddRequest, RequestError
 from lmengine.engine.research import ResearchSpec
 from lmengine.scheduler.adapter_manager import AdapterManager
 from lmengine.scheduler.qos import QoS, QoSError
+
+if TYPE_CHECKING:
+    from xgrammar import CompiledGrammar
 from lmengine.scheduler.sequence import token_limit
 
 
@@ -36,7 +40,7 @@ class RequestValidator:
     num_layers: int = 0  # decoder layers (research hooks address them)
     hidden_size: int = 0
     # structured outputs: compiles a spec (engine/structured.py); None without a tokenizer
-    compile_grammar: Callable[[dict], object] | None = None
+    compile_grammar: Callable[[dict], CompiledGrammar] | None = None
 
     def validate(self, req: AddRequest) -> None:
         """Any thread: refuse a malformed request."""

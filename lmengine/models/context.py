@@ -1,6 +1,6 @@
 """The per-step context: what patched modules read instead of HF forward arguments.
 
-The ModelAgent builds one StepContext per step and installs it around the forward; patched
+The ModelRunner builds one StepContext per step and installs it around the forward; patched
 modules call `get_step_context()`. Scheduler objects never travel through it: only tensors.
 """
 

@@ -122,7 +122,9 @@ class OutputProcessor:
         if self.tokenizer is not None:
             cfg = req.gen_config
             detok = IncrementalDetokenizer(self.tokenizer, req.input_ids, cfg.skip_special_tokens)
-        new_logprobs = [] if req.gen_config.logprobs is not None else None
+        new_logprobs: list[dict[int, float]] | None = None
+        if req.gen_config.logprobs is not None:
+            new_logprobs = []
         text = "" if detok is not None else None
         state = OutputState(detok, new_logprobs, text)
         spec = seq.research
@@ -227,25 +229,25 @@ class OutputProcessor:
             cfg = req.gen_config
             tokens, scores = group.results(cfg.num_return_sequences)
             best = tokens[0]
-            texts = [self._text(t, req.input_ids, cfg.skip_special_tokens) for t in tokens]
+            texts = None
+            if self.tokenizer is not None:
+                texts = [self._text(t, req.input_ids, cfg.skip_special_tokens) for t in tokens]
             ends = bool(best) and best[-1] in group.eos_token_ids
             response = Response(
-                text=texts[0],
+                text=texts[0] if texts is not None else None,
                 token_ids=best,
                 finish_reason="stop" if ends else "length",
                 input_token_len=group.prompt_len,
                 generate_token_len=len(best),
                 beam_token_ids=tokens,
                 beam_scores=scores,
-                beam_texts=texts if texts[0] is not None else None,
+                beam_texts=texts,
                 metrics=req.metrics,
             )
             result.responses.append((req, response))
             result.ended.append(record.request_id)
 
-    def _text(self, tokens: list[int], prompt: list[int], skip: bool) -> str | None:
-        if self.tokenizer is None:
-            return None
+    def _text(self, tokens: list[int], prompt: list[int], skip: bool) -> str:
         detok = IncrementalDetokenizer(self.tokenizer, prompt, skip)
         for t in tokens:
             detok.add(t)
