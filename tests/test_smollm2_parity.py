@@ -84,9 +84,17 @@ def test_smollm2_long_prompts_in_one_prefill_step(smollm2_path):
             return out
 
         engine.scheduler.schedule = recording_schedule
-        release = threading.Event()
-        holder = threading.Thread(target=engine.call, args=(release.wait,))
-        holder.start()  # the loop thread waits in release.wait, between steps
+        held, release = threading.Event(), threading.Event()
+
+        def hold():
+            held.set()
+            release.wait(120)
+
+        holder = threading.Thread(target=engine.call, args=(hold,))
+        holder.start()
+        # NOTE: the loop thread waits in hold(), between steps, before any request is sent:
+        # else it could take the first request in the same drain as the hold
+        assert held.wait(60), "the loop never ran the hold"
         results = [None] * len(prompts)
 
         def work(i):
@@ -97,11 +105,13 @@ def test_smollm2_long_prompts_in_one_prefill_step(smollm2_path):
         threads = [threading.Thread(target=work, args=(i,)) for i in range(len(prompts))]
         for t in threads:
             t.start()
-        deadline = time.monotonic() + 60
-        while engine.request_manager._inbox.qsize() < len(prompts):  # all three queued
-            assert time.monotonic() < deadline, "the requests never reached the engine"
-            time.sleep(0.01)
-        release.set()
+        try:
+            deadline = time.monotonic() + 60
+            while engine.request_manager.num_pending() < len(prompts):  # all three queued
+                assert time.monotonic() < deadline, "the requests never reached the engine"
+                time.sleep(0.01)
+        finally:
+            release.set()
         for t in [holder, *threads]:
             t.join(timeout=600)
         assert [r.token_ids for r in results] == expected
