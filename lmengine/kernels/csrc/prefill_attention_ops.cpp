@@ -28,6 +28,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "bf16_rows.h"
@@ -112,52 +113,85 @@ void gemm(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const fl
 }
 
 // The online softmax over one tile of transposed scores s [kn16, M] (M a multiple of 16): the
-// keys past each column's position are masked (-inf) where the tile reaches them, the running
-// maxima and sums per column move on, o [D, M] is rescaled, and s becomes the probabilities.
+// scores times `scale` (1 for the float32 kernel, whose queries carry it; the bfloat16 kernel
+// scales scores, not its bfloat16 queries, so that the scale adds no rounding), the keys past
+// each column's position masked (-inf) where the tile reaches them; the running maxima and sums
+// per column move on, o [D, M] is rescaled where a column block's maximum moved (elsewhere
+// alpha = exp(0) is exactly 1), and `store(j, c, e)` takes the probabilities e[0..3] of key rows
+// j .. j + 3, columns c .. c + 15. A store whose kInPlace is true owns s: the first pass keeps
+// the scaled, masked scores there for the second, and the store overwrites them (the others
+// leave s as the GEMM wrote it and the second pass computes the scores again, the same values).
 // Column c is query row (c % rows) of its head, at position first_pos + c % rows.
-// kScaled: the scores are multiplied by `scale` first (the bfloat16 kernel scales scores, not
-// its bfloat16 queries, so that the scale adds no rounding).
-template <bool kScaled = false>
-void softmax_tile(float* s, int64_t kn16, int64_t m, int64_t rows, int64_t first_pos,
-                  int64_t k0, float* row_max, float* row_sum, float* o, int64_t dim,
-                  float scale = 1.f) {
+template <class Store>
+void softmax_tile(const float* s, int64_t kn16, int64_t m, int64_t rows, int64_t first_pos,
+                  int64_t k0, float* row_max, float* row_sum, float* o, int64_t dim, float scale,
+                  Store&& store) {
   const v16f iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   const v16f neg_inf = v16f{} - std::numeric_limits<float>::infinity();
   for (int64_t c = 0; c < m; c += 16) {
     // positions as floats: exact below 2^24 tokens
     const v16f pos = iota + static_cast<float>(first_pos + c % rows);
     const bool reaches_limit = k0 + kn16 - 1 > first_pos + c % rows;  // some key is past a row
+    auto score = [&](int64_t j) {  // computed in both passes: the same value each time
+      v16f v = load16(s + j * m + c) * scale;
+      if (reaches_limit) v = static_cast<float>(k0 + j) > pos ? neg_inf : v;
+      return v;
+    };
     // four maxima and sums in flight: one running vector would wait out the latency of each
     // max and add (kn16 is a multiple of 16, so of 4)
     v16f mx4[4] = {neg_inf, neg_inf, neg_inf, neg_inf};
     for (int64_t j = 0; j < kn16; j += 4)
       for (int u = 0; u < 4; ++u) {
-        v16f* v = reinterpret_cast<v16f*>(s + (j + u) * m + c);
-        if constexpr (kScaled) *v = *v * scale;
-        if (reaches_limit) *v = static_cast<float>(k0 + j + u) > pos ? neg_inf : *v;
-        mx4[u] = *v > mx4[u] ? *v : mx4[u];
+        const v16f v = score(j + u);
+        if constexpr (std::decay_t<Store>::kInPlace)
+          *reinterpret_cast<v16f*>(store.s + (j + u) * m + c) = v;
+        mx4[u] = v > mx4[u] ? v : mx4[u];
       }
-    v16f mx = load16(row_max + c);
+    const v16f old = load16(row_max + c);
+    v16f mx = old;
     for (int u = 0; u < 4; ++u) mx = mx4[u] > mx ? mx4[u] : mx;
     // a column's first tile always holds its key 0: mx is finite from then on, and
     // exp(-inf - mx) = 0 for the old sum
-    const v16f alpha = exp16(load16(row_max + c) - mx);
+    const v16f alpha = exp16(old - mx);
     v16f sum4[4] = {};
-    for (int64_t j = 0; j < kn16; j += 4)
+    for (int64_t j = 0; j < kn16; j += 4) {
+      v16f e[4];
       for (int u = 0; u < 4; ++u) {
-        v16f* v = reinterpret_cast<v16f*>(s + (j + u) * m + c);
-        *v = exp16(*v - mx);
-        sum4[u] += *v;
+        if constexpr (std::decay_t<Store>::kInPlace)
+          e[u] = exp16(load16(s + (j + u) * m + c) - mx);
+        else
+          e[u] = exp16(score(j + u) - mx);
+        sum4[u] += e[u];
       }
+      store(j, c, e);
+    }
     const v16f sum = (sum4[0] + sum4[1]) + (sum4[2] + sum4[3]);
     *reinterpret_cast<v16f*>(row_sum + c) = load16(row_sum + c) * alpha + sum;
     *reinterpret_cast<v16f*>(row_max + c) = mx;
+#if defined(__AVX512F__)
+    const bool moved = _mm512_cmp_ps_mask(reinterpret_cast<__m512>(old),
+                                          reinterpret_cast<__m512>(mx), _CMP_NEQ_UQ) != 0;
+#else
+    bool moved = false;
+    for (int i = 0; i < 16; ++i) moved |= old[i] != mx[i];
+#endif
+    if (!moved) continue;  // NOTE: a NaN counts as moved
     for (int64_t d = 0; d < dim; ++d) {
       v16f* v = reinterpret_cast<v16f*>(o + d * m + c);
       *v = *v * alpha;
     }
   }
 }
+
+// A softmax_tile store that writes the probabilities back over the scores, as float32.
+struct StoreInPlace {
+  static constexpr bool kInPlace = true;
+  float* s;
+  int64_t m;
+  void operator()(int64_t j, int64_t c, const v16f* e) const {
+    for (int u = 0; u < 4; ++u) *reinterpret_cast<v16f*>(s + (j + u) * m + c) = e[u];
+  }
+};
 
 }  // namespace
 
@@ -274,7 +308,7 @@ void paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
         const int64_t kn16 = round16(std::min<int64_t>(kK, key_end - k0));
         gemm(kn16, m, dim, keys + k0 * dim, dim, qt.data(), m, st.data(), m, false);
         softmax_tile(st.data(), kn16, m, task_rows, first_pos, k0, row_max.data(),
-                     row_sum.data(), ot.data(), dim);
+                     row_sum.data(), ot.data(), dim, 1.f, StoreInPlace{st.data(), m});
         gemm(dim, m, kn16, values_t + k0 / kK * dim * kVRow, kVRow, st.data(), m, ot.data(), m,
              true);
       }
@@ -300,7 +334,7 @@ using bf16 = at::BFloat16;
 
 // P^T in the VNNI layout bfloat16 GEMMs read their B in: s [kn16, m] float32 (kn16 even) ->
 // p [kn16 / 2][m][2] bfloat16, p[j / 2][c][j % 2] = s[j][c]. (Builds without AVX512-BF16; the
-// others write the pairs from softmax_tile_vnni's registers.)
+// others write the pairs from softmax_tile's registers: StoreVnniPairs.)
 inline void to_vnni_pairs(const float* s, int64_t kn16, int64_t m, uint16_t* p) {
   for (int64_t j = 0; j < kn16; j += 2)
     for (int64_t c = 0; c < m; ++c) {
@@ -310,66 +344,28 @@ inline void to_vnni_pairs(const float* s, int64_t kn16, int64_t m, uint16_t* p) 
 }
 
 #if defined(__AVX512BF16__)
-// softmax_tile<true> fused with to_vnni_pairs: each probability goes from its register into P^T's
+// A softmax_tile store that writes the probabilities straight from their registers into P^T's
 // VNNI pairs (16 columns of two key rows: one conversion of 32 floats, then one permute
-// interleaves them), never stored as float32 and read back; s is left as the GEMM wrote it
-// (the scaled, masked scores are computed again in the second pass, the same values). o is
-// rescaled only for column blocks whose maximum moved: elsewhere alpha = exp(0) is exactly 1.
-// The same values, sums and pairs as softmax_tile then to_vnni_pairs, bit for bit. With the
-// vectorised Q^T pairs and output rows, per layer of SmolLM2 (Intel Xeon family 6 model 167,
-// 2 threads, 2026-11-27): 4 prompts x 1,016 tokens 11.7 -> 10.3 ms, 64 x 70 3.4 -> 2.8 ms.
-void softmax_tile_vnni(const float* s, int64_t kn16, int64_t m, int64_t rows, int64_t first_pos,
-                       int64_t k0, float* row_max, float* row_sum, float* o, int64_t dim,
-                       float scale, uint16_t* p) {
-  const v16f iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-  const v16f neg_inf = v16f{} - std::numeric_limits<float>::infinity();
-  const __m512i interleave = _mm512_set_epi16(
-      31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
-      23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-  for (int64_t c = 0; c < m; c += 16) {
-    const v16f pos = iota + static_cast<float>(first_pos + c % rows);
-    const bool reaches_limit = k0 + kn16 - 1 > first_pos + c % rows;
-    auto score = [&](int64_t j) {
-      v16f v = load16(s + j * m + c) * scale;
-      if (reaches_limit) v = static_cast<float>(k0 + j) > pos ? neg_inf : v;
-      return v;
-    };
-    v16f mx4[4] = {neg_inf, neg_inf, neg_inf, neg_inf};
-    for (int64_t j = 0; j < kn16; j += 4)
-      for (int u = 0; u < 4; ++u) {
-        const v16f v = score(j + u);
-        mx4[u] = v > mx4[u] ? v : mx4[u];
-      }
-    const v16f old = load16(row_max + c);
-    v16f mx = old;
-    for (int u = 0; u < 4; ++u) mx = mx4[u] > mx ? mx4[u] : mx;
-    const v16f alpha = exp16(old - mx);
-    v16f sum4[4] = {};
-    for (int64_t j = 0; j < kn16; j += 4) {
-      v16f e[4];
-      for (int u = 0; u < 4; ++u) {
-        e[u] = exp16(score(j + u) - mx);
-        sum4[u] += e[u];
-      }
-      for (int h = 0; h < 4; h += 2) {
-        const __m512bh both = _mm512_cvtne2ps_pbh(reinterpret_cast<__m512>(e[h + 1]),
-                                                  reinterpret_cast<__m512>(e[h]));
-        _mm512_storeu_si512(p + ((j + h) * m + 2 * c),
-                            _mm512_permutexvar_epi16(interleave, reinterpret_cast<__m512i>(both)));
-      }
-    }
-    const v16f sum = (sum4[0] + sum4[1]) + (sum4[2] + sum4[3]);
-    *reinterpret_cast<v16f*>(row_sum + c) = load16(row_sum + c) * alpha + sum;
-    *reinterpret_cast<v16f*>(row_max + c) = mx;
-    if (_mm512_cmp_ps_mask(reinterpret_cast<__m512>(old), reinterpret_cast<__m512>(mx),
-                           _CMP_NEQ_UQ) == 0)
-      continue;
-    for (int64_t d = 0; d < dim; ++d) {
-      v16f* v = reinterpret_cast<v16f*>(o + d * m + c);
-      *v = *v * alpha;
+// interleaves them), never stored as float32 and read back: the same pairs as storing in place
+// then to_vnni_pairs, bit for bit. With the vectorised Q^T pairs and output rows, per layer of
+// SmolLM2 (Intel Xeon family 6 model 167, 2 threads, 2026-11-27): 4 prompts x 1,016 tokens
+// 11.7 -> 10.3 ms, 64 x 70 3.4 -> 2.8 ms.
+struct StoreVnniPairs {
+  static constexpr bool kInPlace = false;
+  uint16_t* p;
+  int64_t m;
+  __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
+                                        24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
+                                        16, 0);
+  void operator()(int64_t j, int64_t c, const v16f* e) const {
+    for (int h = 0; h < 4; h += 2) {
+      const __m512bh both = _mm512_cvtne2ps_pbh(reinterpret_cast<__m512>(e[h + 1]),
+                                                reinterpret_cast<__m512>(e[h]));
+      _mm512_storeu_si512(p + ((j + h) * m + 2 * c),
+                          _mm512_permutexvar_epi16(interleave, reinterpret_cast<__m512i>(both)));
     }
   }
-}
+};
 #endif
 
 #if defined(__AVX512F__)
@@ -502,11 +498,11 @@ void paged_prefill_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache
                                     reinterpret_cast<const bf16*>(keys + k0 * dim),
                                     reinterpret_cast<const bf16*>(qt.data()), st.data());
 #if defined(__AVX512BF16__)
-        softmax_tile_vnni(st.data(), kn16, m, task_rows, first_pos, k0, row_max.data(),
-                          row_sum.data(), ot.data(), dim, fscale, pt.data());
+        softmax_tile(st.data(), kn16, m, task_rows, first_pos, k0, row_max.data(),
+                     row_sum.data(), ot.data(), dim, fscale, StoreVnniPairs{pt.data(), m});
 #else
-        softmax_tile<true>(st.data(), kn16, m, task_rows, first_pos, k0, row_max.data(),
-                           row_sum.data(), ot.data(), dim, fscale);
+        softmax_tile(st.data(), kn16, m, task_rows, first_pos, k0, row_max.data(),
+                     row_sum.data(), ot.data(), dim, fscale, StoreInPlace{st.data(), m});
         to_vnni_pairs(st.data(), kn16, m, pt.data());
 #endif
         at::native::cpublas::brgemm(
