@@ -30,7 +30,6 @@ from lmengine.config import EngineConfig, GenerationConfig
 from lmengine.engine.cache_engine import CacheSpec
 from lmengine.engine.engine import Engine
 from lmengine.engine.loader import resolve_model_path
-from lmengine.engine.request import AddRequest, new_queue
 from lmengine.models.model_info import ModelInfo
 from lmengine.quant.eval import heldout_token_ids, perplexity
 
@@ -60,10 +59,10 @@ def run_mode(model: str | None, kv: str, args) -> dict:
             for _ in range(args.num_requests)
         ]
         gen = GenerationConfig(max_new_tokens=args.max_new_tokens, ignore_eos=True)
-        reqs = [AddRequest(i, p, gen, new_queue()) for i, p in enumerate(prompts)]
+        reqs = [engine.client.request(p, gen) for p in prompts]
         t0 = time.perf_counter()
         for req in reqs:
-            engine.request_manager.submit(req)
+            engine.client.submit(req)
         queues = [req.response_queue for req in reqs]
         out_tokens = 0
         for q in queues:

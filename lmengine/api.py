@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from lmengine.config import EngineConfig, GenerationConfig
 from lmengine.engine.engine import Engine
-from lmengine.engine.request import AddRequest, Answer, Response, new_queue
+from lmengine.engine.request import Answer, Response, new_queue
 
 Prompt = str | list[dict] | list[int]
 
@@ -121,17 +121,9 @@ class Pipeline:
 
     def _add(self, ids, cfg, responses, index, adapter=None, priority=None, user=None) -> None:
         """Submit one request whose Responses go to `responses`, tagged with `index`."""
-        req = AddRequest(
-            request_id=self.engine.new_request_id(),
-            input_ids=ids,
-            gen_config=cfg if cfg is not None else GenerationConfig(),
-            response_queue=responses,
-            adapter_name=adapter,
-            priority=priority,
-            user_id=user,
-            index=index,
-        )
-        self.engine.request_manager.submit(req)
+        client = self.engine.client
+        options = dict(adapter_name=adapter, priority=priority, user_id=user)
+        client.submit(client.request(ids, cfg, response_queue=responses, index=index, **options))
 
     # ---- generation ---------------------------------------------------------------------------
     def stream_infer(

@@ -253,3 +253,32 @@ def test_step_observers_see_every_step(tiny_llama_path):
     assert all(r.num_batched_tokens == sum(w.num_new_tokens for w in r.scheduled) for r in steps)
     assert all(r.error is None and r.seconds > 0 for r in steps)
     assert [n for _, n in reports] == [1, 1, 1, 1, 0]
+
+
+def test_client_builds_checks_streams_and_cancels(tiny_llama_path):
+    """The front door: a request is built with a fresh id, checked once (a bad one raises
+    before it is queued), streamed delta by delta, and cancelled by closing its stream."""
+    from lmengine.engine.request import RequestError
+
+    with Engine.from_pretrained(tiny_llama_path, EngineConfig(num_gpu_blocks=64)) as eng:
+        client = eng.client
+        with pytest.raises(RequestError, match="token id"):
+            client.check(client.request([10**9], GenerationConfig(max_new_tokens=2)))
+        req = client.request([5, 6, 7], GenerationConfig(max_new_tokens=4, ignore_eos=True))
+        other = client.request([5, 6, 7])
+        assert req.request_id != other.request_id
+        client.check(req)
+        assert req.validated
+        deltas = list(client.stream(req))
+        assert [len(d.token_ids) for d in deltas] == [1, 1, 1, 1]
+        assert deltas[-1].finish_reason == "length" and deltas[-1].request_id == req.request_id
+        long = client.request([5, 6], GenerationConfig(max_new_tokens=500, ignore_eos=True))
+        stream = client.stream(long)
+        next(stream)
+        stream.close()  # cancels: its blocks come back
+        deadline = time.monotonic() + 30
+        while eng.stats()["num_running"] + eng.stats()["num_waiting"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        eng.check_integrity()
+        assert eng.stats()["num_free_blocks"] == eng.stats()["num_total_blocks"]

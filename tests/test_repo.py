@@ -241,6 +241,24 @@ def test_no_module_over_the_line_limit():
     assert not too_long, f"modules over {MAX_MODULE_LINES} lines: {too_long}"
 
 
+# the engine's parts: only the engine (and the tensor-parallel agent, which is one) reach them
+ENGINE_PARTS = {"request_manager", "scheduler", "model_agent", "validator", "output_stage"}
+
+
+def test_front_ends_go_through_the_engine_client():
+    """Nothing in lmengine/ outside the engine reaches into its parts: the pipeline, the
+    server and the tools submit, stream, cancel and read stats through `engine.client`."""
+    reached = []
+    for path in sorted((ROOT / "lmengine").rglob("*.py")):
+        rel = path.relative_to(ROOT / "lmengine").parts
+        if rel[0] in ("engine", "distributed", "scheduler"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Attribute) and node.attr in ENGINE_PARTS:
+                reached.append(f"{path.relative_to(ROOT)}:{node.lineno} .{node.attr}")
+    assert not reached, reached
+
+
 def _parser_calls(tree: ast.AST):
     """Calls that make an argparse parser: ArgumentParser(...) and subparsers' add_parser(...)."""
     for node in ast.walk(tree):

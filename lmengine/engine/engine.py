@@ -34,6 +34,7 @@ import torch
 from lmengine.config import EngineConfig
 from lmengine.engine.adapters import LoraAdmin
 from lmengine.engine.beam import BeamSearch
+from lmengine.engine.client import Client
 from lmengine.engine.loader import load_model_and_tokenizer
 from lmengine.engine.malloc import keep_freed_memory
 from lmengine.engine.model_agent import ModelAgent
@@ -183,6 +184,7 @@ class Engine(LoraAdmin):
         )
         self.num_steps = 0  # steps started; RequestMetrics count in these
         self.request_manager = RequestManager(self.validator.validate, lambda: self.num_steps)
+        self.client = Client(self)  # the front door: every front end submits through it
         self.requests: dict[int, RequestRecord] = {}  # request id -> record (loop thread only)
         self.output_stage = OutputProcessor(self.tokenizer, self.info.eos_token_ids)
         self._seq_ids = itertools.count()

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from lmengine.config import GenerationConfig
-from lmengine.engine.request import AddRequest, Answer, CancelRequest, Response, new_queue
+from lmengine.engine.request import Answer, Response
 
 
 class EngineInstance:
@@ -50,31 +50,17 @@ class EngineInstance:
         **options,
     ) -> Iterator[Response]:
         """The engine's deltas of one request until its last; closing early cancels it.
-        `options`: AddRequest's adapter_name, priority and user_id."""
-        responses = new_queue()
-        req = AddRequest(
-            request_id=session_id,
-            input_ids=list(input_ids) if isinstance(input_ids, tuple) else input_ids,
-            gen_config=gen_config if gen_config is not None else GenerationConfig(),
-            response_queue=responses,
-            **options,
+        `options`: the request's adapter_name, priority and user_id."""
+        client = self.engine.client
+        yield from client.stream(
+            client.request(input_ids, gen_config, request_id=session_id, **options)
         )
-        self.engine.request_manager.submit(req)
-        finished = False
-        try:
-            while not finished:
-                resp = responses.get()
-                finished = resp.finish_reason is not None
-                yield resp
-        finally:
-            if not finished:
-                self.cancel(session_id)
 
     def cancel(self, session_id: int) -> None:
         """Stop the session's running request; its stream ends with finish_reason 'cancel'."""
-        self.engine.request_manager.submit(CancelRequest(session_id))
+        self.engine.client.cancel(session_id)
 
     def end(self, session_id: int) -> None:
         """End the session: cancel whatever it runs (the engine keeps nothing else of a
         session; its KV blocks stay in the prefix cache when that is on)."""
-        self.engine.request_manager.submit(CancelRequest(session_id))
+        self.engine.client.cancel(session_id)

@@ -152,6 +152,7 @@ class AddRequest:
     research: ResearchSpec | None = None  # what the request asks of the forward
     grammar: CompiledGrammar | None = None  # its compiled structured_outputs
     metrics: RequestMetrics = field(default_factory=RequestMetrics)  # stamped by the engine
+    validated: bool = False  # checked already (Client.check): submit takes it as it is
 
 
 @dataclass
@@ -220,7 +221,7 @@ class RequestManager:
             req.metrics.submit_time = time.monotonic()
             req.metrics.submit_step = self._current_step()
             try:
-                if self._validate is not None:
+                if self._validate is not None and not req.validated:
                     self._validate(req)
             except RequestError as e:
                 req.response_queue.put(error_response(req, str(e)))

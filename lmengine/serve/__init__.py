@@ -1,6 +1,6 @@
 """OpenAI-compatible HTTP server with LMDeploy's QoS endpoints (`lmengine serve`).
 
-`app.py` builds the app: one `EngineClient` (`client.py`) shared by three routers, OpenAI
+`app.py` builds the app: one `ServerContext` (`client.py`) shared by three routers, OpenAI
 (`routes_openai.py`), QoS (`routes_qos.py`) and health/metrics (`routes_health.py`). The
 handlers of (chat) completions are in `completions.py` and `chat.py`; what they share is in
 `protocol.py` (request bodies), `convert.py` (bodies -> GenerationConfigs), `logprobs.py`,

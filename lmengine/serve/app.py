@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP API over one Engine (FastAPI).
 
-`build_app(engine, settings)` returns the ASGI app: one `EngineClient` shared by three
+`build_app(engine, settings)` returns the ASGI app: one `ServerContext` shared by three
 routers (OpenAI, QoS, health/metrics, tokenizer) and OpenAI-style error handlers. Handlers turn a
 request body into token ids and GenerationConfigs, run them as a `Job` (one engine request
 per choice) and answer as OpenAI does, whole or streamed. The engine runs in its own thread;
@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import FastAPI
 
-from lmengine.serve.client import EngineClient
+from lmengine.serve.client import ServerContext
 from lmengine.serve.convert import gen_configs as _gen_configs  # noqa: F401 - the old name
 from lmengine.serve.errors import install_error_handlers
 from lmengine.serve.jobs import ResponseRouter
@@ -26,12 +26,12 @@ from lmengine.serve.routes_qos import qos_router
 from lmengine.serve.routes_tokenizer import tokenizer_router
 from lmengine.serve.settings import ServerSettings
 
-__all__ = ["EngineClient", "ServerSettings", "build_app"]
+__all__ = ["ServerContext", "ServerSettings", "build_app"]
 
 
 def build_app(engine, settings: ServerSettings) -> FastAPI:
     """The FastAPI app serving `engine` (already started; closed at app shutdown)."""
-    client = EngineClient(engine, settings)
+    client = ServerContext(engine, settings)
 
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         client.router = ResponseRouter(asyncio.get_running_loop())

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from lmengine.serve.client import EngineClient
+from lmengine.serve.client import ServerContext
 from lmengine.serve.convert import gen_configs
 from lmengine.serve.errors import APIError
 from lmengine.serve.jobs import Job
@@ -29,7 +29,7 @@ from lmengine.serve.tools import (
 
 
 async def create_chat_completion(
-    client: EngineClient, body: ChatCompletionRequest, request: Request, endpoint: str
+    client: ServerContext, body: ChatCompletionRequest, request: Request, endpoint: str
 ) -> dict | StreamingResponse:
     """Apply the template, submit one engine request per choice, and answer."""
     adapter = client.adapter_for(body.model)
@@ -80,7 +80,7 @@ async def create_chat_completion(
 
 
 def _whole(
-    client: EngineClient, job: Job, body: ChatCompletionRequest, num_top: int, tool_mode
+    client: ServerContext, job: Job, body: ChatCompletionRequest, num_top: int, tool_mode
 ) -> dict:
     choices = []
     for i, c in enumerate(job.choices):
@@ -118,7 +118,7 @@ def _whole(
 
 
 def _stream(
-    client: EngineClient, job: Job, body: ChatCompletionRequest, num_top: int, tool_mode
+    client: ServerContext, job: Job, body: ChatCompletionRequest, num_top: int, tool_mode
 ) -> AsyncIterator[str]:
     shape = ChunkShape(
         f"chatcmpl-{uuid.uuid4().hex}", "chat.completion.chunk", client.model_name(body)

@@ -1,6 +1,6 @@
-"""The one engine client every router shares: the engine, the settings, the response router,
+"""What every router shares (`ServerContext`): the engine, the settings, the response router,
 the metrics, the interactive sessions, and the helpers that turn text into token ids and
-admit a request (adapter lookup, queue limit, shutdown)."""
+admit a request (adapter lookup, queue limit, shutdown) through the engine's client."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from lmengine.config import GenerationConfig
-from lmengine.engine.request import AddRequest, RequestError, Response
+from lmengine.engine.request import RequestError, Response
 from lmengine.serve.errors import APIError, engine_error
 from lmengine.serve.jobs import Job, ResponseRouter
 from lmengine.serve.limits import received_at
@@ -24,12 +24,13 @@ from lmengine.serve.settings import ServerSettings
 NUM_TOKENIZING_THREADS = 2
 
 
-class EngineClient:
+class ServerContext:
     """What the routes share: one Engine (started by the caller, closed at app shutdown), its
     tokenizer, the server metrics and the chat sessions of the interactive QoS endpoint.
 
-    It admits requests and builds their `Job`s; it never touches the scheduler or the model
-    (the engine thread owns those) and holds no per-request state besides the sessions.
+    It admits requests and builds their `Job`s through the engine's front door
+    (`engine.client`); it never touches the engine's parts (the engine thread owns those) and
+    holds no per-request state besides the sessions.
     """
 
     def __init__(self, engine, settings: ServerSettings) -> None:
@@ -115,7 +116,7 @@ class EngineClient:
         """An empty Job for the HTTP `request`; 503 when shutting down or the engine is gone."""
         self.check_engine()
         return Job(
-            self.engine,
+            self.engine.client,
             self.router,
             self.metrics,
             endpoint,
@@ -135,7 +136,9 @@ class EngineClient:
         """Submit one engine request per choice (prompt i's token ids for configs i): 400 for
         a request that can never run, checked before the queue (429), so that a client only
         retries what can succeed."""
-        for ids, cfg in zip(prompts, configs):
+        door = self.engine.client
+        requests = []
+        for i, (ids, cfg) in enumerate(zip(prompts, configs)):
             wanted = len(ids) + cfg.max_new_tokens
             if ids and (wanted > self.session_len or len(ids) >= self.session_len):
                 raise APIError(
@@ -146,13 +149,22 @@ class EngineClient:
                     param="max_tokens",
                     code="context_length_exceeded",
                 )
-            req = AddRequest(0, ids, cfg, None, adapter, priority, user)
+            req = door.request(
+                ids,
+                cfg,
+                response_queue=self.router,
+                index=i,
+                adapter_name=adapter,
+                priority=priority,
+                user_id=user,
+            )
             try:
-                self.engine.validator.validate(req)
+                door.check(req)  # NOTE: once: the engine takes a checked request as it is
             except RequestError as e:
                 raise engine_error(str(e)) from None
-        self.check_queue(len(configs))
-        job.submit(prompts, configs, adapter, priority, user)
+            requests.append(req)
+        self.check_queue(len(requests))
+        job.submit(requests)
 
     def check_queue(self, num_choices: int) -> None:
         """429 with Retry-After when `num_choices` more would pass `--max-queued-requests`

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from lmengine.serve.client import EngineClient
+from lmengine.serve.client import ServerContext
 from lmengine.serve.convert import gen_configs
 from lmengine.serve.errors import APIError
 from lmengine.serve.jobs import Job
@@ -30,7 +30,7 @@ OBJECT = "text_completion"
 
 
 async def create_completion(
-    client: EngineClient, body: CompletionRequest, request: Request, endpoint: str
+    client: ServerContext, body: CompletionRequest, request: Request, endpoint: str
 ) -> dict | StreamingResponse:
     """Validate, submit one engine request per prompt and choice, and answer."""
     adapter = client.adapter_for(body.model)
@@ -70,13 +70,13 @@ async def create_completion(
     )
 
 
-def _echo_texts(client: EngineClient, job: Job, body: CompletionRequest, echo) -> list[str]:
+def _echo_texts(client: ServerContext, job: Job, body: CompletionRequest, echo) -> list[str]:
     """The prompts as text (token-id prompts decoded once the engine accepted them)."""
     ids = [c.input_ids for c in job.choices[:: body.n]]
     return [e if e is not None else client.tokenizer.decode(i) for e, i in zip(echo, ids)]
 
 
-def _whole(client: EngineClient, job: Job, body: CompletionRequest, echo) -> dict:
+def _whole(client: ServerContext, job: Job, body: CompletionRequest, echo) -> dict:
     if body.echo:
         echo = _echo_texts(client, job, body, echo)
     choices = []
@@ -104,7 +104,7 @@ def _whole(client: EngineClient, job: Job, body: CompletionRequest, echo) -> dic
 
 
 def _logprobs(
-    client: EngineClient, body: CompletionRequest, choice, resp, echoed: str | None
+    client: ServerContext, body: CompletionRequest, choice, resp, echoed: str | None
 ) -> dict | None:
     """The legacy logprobs of a whole choice: over the `echoed` prompt text's tokens first."""
     if body.logprobs is None:
@@ -116,7 +116,7 @@ def _logprobs(
     return join_legacy(prompt, generated)
 
 
-def _stream(client: EngineClient, job: Job, body: CompletionRequest, echo) -> AsyncIterator[str]:
+def _stream(client: ServerContext, job: Job, body: CompletionRequest, echo) -> AsyncIterator[str]:
     """Streamed choices. The echoed prompt goes first; when its logprobs (or vLLM's
     `prompt_logprobs`) are asked, it waits for them and rides in each choice's first chunk."""
     shape = ChunkShape(f"cmpl-{uuid.uuid4().hex}", OBJECT, client.model_name(body))

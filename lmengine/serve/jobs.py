@@ -16,7 +16,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from lmengine.config import GenerationConfig
-from lmengine.engine.request import AddRequest, Answer, CancelRequest, Response
+from lmengine.engine.client import Client
+from lmengine.engine.request import AddRequest, Answer, Response
 from lmengine.serve.errors import APIError, engine_error
 from lmengine.serve.metrics import ServerMetrics
 
@@ -72,12 +73,13 @@ class Job:
     """The engine requests of one HTTP request, and the stream of their responses.
 
     Owns its choices, their response queue and their server metrics; it submits and cancels
-    through the engine's RequestManager only and never formats an answer (the routes do).
+    through the engine's client (its front door) only and never formats an answer (the
+    routes do).
     """
 
     def __init__(
         self,
-        engine,
+        client: Client,
         router: ResponseRouter,
         metrics: ServerMetrics,
         endpoint: str,
@@ -86,7 +88,7 @@ class Job:
     ) -> None:
         """`received`: when the HTTP request arrived (time.monotonic(); default: now), where
         its time to first token starts."""
-        self.engine, self.router, self.metrics, self.endpoint = engine, router, metrics, endpoint
+        self.client, self.router, self.metrics, self.endpoint = client, router, metrics, endpoint
         self.choices: list[Choice] = []
         self.by_request: dict[int, int] = {}  # engine request id -> choice index
         self.queue: asyncio.Queue = asyncio.Queue()  # (choice index, Response) or None (woken)
@@ -98,33 +100,17 @@ class Job:
         self.cancel_reason: str | None = None
 
     # ---- submission ---------------------------------------------------------------------------
-    def submit(
-        self,
-        prompts: list[list[int]],
-        configs: list[GenerationConfig],
-        adapter_name: str | None,
-        priority: int | None,
-        user_id: str | None,
-    ) -> None:
-        for ids, cfg in zip(prompts, configs):
-            request_id = self.engine.new_request_id()
-            self.by_request[request_id] = len(self.choices)
-            self.choices.append(Choice(request_id, ids, cfg))
-            self.router.jobs[request_id] = self
+    def submit(self, requests: list[AddRequest]) -> None:
+        """Send the job's engine requests (checked already, built with the router as their
+        queue, one per choice in order)."""
+        for req in requests:
+            self.by_request[req.request_id] = len(self.choices)
+            self.choices.append(Choice(req.request_id, req.input_ids, req.gen_config))
+            self.router.jobs[req.request_id] = self
         self.metrics.num_in_flight += len(self.choices)
         self.metrics.num_queued += len(self.choices)
-        for i, choice in enumerate(self.choices):
-            req = AddRequest(
-                request_id=choice.request_id,
-                input_ids=choice.input_ids,
-                gen_config=choice.gen_config,
-                response_queue=self.router,
-                adapter_name=adapter_name,
-                priority=priority,
-                user_id=user_id,
-                index=i,
-            )
-            self.engine.request_manager.submit(req)
+        for req in requests:
+            self.client.submit(req)
             if self.cancel_reason is not None:
                 break  # refused before the others were sent: they are cancelled already
 
@@ -178,7 +164,7 @@ class Job:
         for choice in self.choices:
             if choice.is_done:
                 continue
-            self.engine.request_manager.submit(CancelRequest(choice.request_id))
+            self.client.cancel(choice.request_id)
             if choice.first is None:
                 self.metrics.num_queued -= 1
                 choice.first = Response(finish_reason="cancel")

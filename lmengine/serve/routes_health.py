@@ -9,13 +9,13 @@ from fastapi import APIRouter, Depends
 from fastapi.responses import PlainTextResponse
 
 from lmengine.serve.auth import api_key_check
-from lmengine.serve.client import EngineClient
+from lmengine.serve.client import ServerContext
 from lmengine.serve.errors import APIError, error_responses
 
 ENGINE_TIMEOUT_S = 15.0  # a busy step may hold the loop; longer than that is a dead engine
 
 
-def health_router(client: EngineClient) -> APIRouter:
+def health_router(client: ServerContext) -> APIRouter:
     """Liveness of the process and of the engine loop, and the metrics of both."""
     router = APIRouter(tags=["health"])
     engine = client.engine

@@ -12,12 +12,12 @@ from fastapi.responses import PlainTextResponse
 
 from lmengine.flags import one_line
 from lmengine.serve.auth import api_key_check
-from lmengine.serve.client import EngineClient
+from lmengine.serve.client import ServerContext
 from lmengine.serve.errors import APIError, error_responses
 from lmengine.serve.protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 
 
-def lora_router(client: EngineClient) -> APIRouter:
+def lora_router(client: ServerContext) -> APIRouter:
     """The two adapter endpoints over `client`'s engine, behind the API keys."""
     router = APIRouter(
         dependencies=[Depends(api_key_check(client.settings.api_keys))], tags=["adapters"]

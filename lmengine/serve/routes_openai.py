@@ -6,13 +6,13 @@ from fastapi import APIRouter, Depends, Request
 
 from lmengine.serve.auth import api_key_check
 from lmengine.serve.chat import create_chat_completion
-from lmengine.serve.client import EngineClient
+from lmengine.serve.client import ServerContext
 from lmengine.serve.completions import create_completion
 from lmengine.serve.errors import GENERATION_RESPONSES, error_responses
 from lmengine.serve.protocol import ChatCompletionRequest, CompletionRequest
 
 
-def openai_router(client: EngineClient) -> APIRouter:
+def openai_router(client: ServerContext) -> APIRouter:
     """OpenAI's model list and (chat) completions over `client`, behind the API keys."""
     router = APIRouter(dependencies=[Depends(api_key_check(client.settings.api_keys))])
     name = client.settings.model_name

@@ -10,7 +10,7 @@ from fastapi.responses import StreamingResponse
 from lmengine.engine.request import Response
 from lmengine.serve.auth import api_key_check
 from lmengine.serve.chat import create_chat_completion
-from lmengine.serve.client import EngineClient
+from lmengine.serve.client import ServerContext
 from lmengine.serve.completions import create_completion
 from lmengine.serve.convert import interactive_gen_config, text_of
 from lmengine.serve.errors import GENERATION_RESPONSES, APIError
@@ -24,7 +24,7 @@ from lmengine.serve.streaming import NDJSON, finish_reason, run_job
 QOS_PATHS = ("/v1/completions_qos", "/v1/chat/completions_qos", "/v1/chat/interactive_qos")
 
 
-def qos_router(client: EngineClient) -> APIRouter:
+def qos_router(client: ServerContext) -> APIRouter:
     """The QoS endpoints over `client` when `settings.qos_enabled`, else hidden 404s."""
     if not client.settings.qos_enabled:
         return _qos_off_router()
@@ -68,7 +68,7 @@ def _qos_off_router() -> APIRouter:
 
 
 async def interactive_turn(
-    client: EngineClient, body: InteractiveRequestQos, request: Request
+    client: ServerContext, body: InteractiveRequestQos, request: Request
 ) -> dict | StreamingResponse:
     """Run one turn of session `body.session_id` (-1: a one-off turn without history), or
     cancel it; the session keeps the turn only when it ends with "stop" or "length"."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends
 
 from lmengine.serve.auth import api_key_check
-from lmengine.serve.client import EngineClient
+from lmengine.serve.client import ServerContext
 from lmengine.serve.errors import APIError, error_responses
 from lmengine.serve.protocol import DetokenizeRequest, TokenizeChatRequest, TokenizeRequest
 from lmengine.serve.tools import chat_messages, template_takes_tools
@@ -17,7 +17,7 @@ def _token_str(token) -> str | None:
     return None if token is None else str(token)
 
 
-def tokenizer_router(client: EngineClient) -> APIRouter:
+def tokenizer_router(client: ServerContext) -> APIRouter:
     """/tokenize, /detokenize and /tokenizer_info over the served tokenizer, behind the keys."""
     router = APIRouter(dependencies=[Depends(api_key_check(client.settings.api_keys))])
     tokenizer = client.tokenizer
