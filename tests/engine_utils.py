@@ -47,7 +47,7 @@ def run_threads(
             errors.append(e)
 
     threads = [threading.Thread(target=work, args=(t,)) for t in range(num_threads)]
-    with _loop_held(engine, num_pending=num_threads) if together else nullcontext():
+    with loop_held(engine, num_pending=num_threads) if together else nullcontext():
         for th in threads:
             th.start()
     for th in threads:
@@ -59,7 +59,7 @@ def run_threads(
 
 
 @contextmanager
-def _loop_held(engine: Engine, num_pending: int, timeout_s: float = 60.0):
+def loop_held(engine: Engine, num_pending: int, timeout_s: float = 60.0):
     """Keep the engine loop busy inside a call until `num_pending` requests wait in its
     inbox; the loop then takes them all in one drain."""
     entered, release = threading.Event(), threading.Event()

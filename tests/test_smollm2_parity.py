@@ -5,7 +5,6 @@ preemption and a prefill budget small enough to chunk prompts."""
 from __future__ import annotations
 
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -13,7 +12,7 @@ from transformers import AutoTokenizer
 
 from lmengine import Engine, EngineConfig, GenerationConfig
 from lmengine.api import chat_token_ids
-from tests.engine_utils import run_threads
+from tests.engine_utils import loop_held, run_threads
 from tests.hf_reference import hf_greedy
 
 PROMPTS_FILE = Path(__file__).resolve().parents[1] / "examples" / "prompts.txt"
@@ -84,17 +83,6 @@ def test_smollm2_long_prompts_in_one_prefill_step(smollm2_path):
             return out
 
         engine.scheduler.schedule = recording_schedule
-        held, release = threading.Event(), threading.Event()
-
-        def hold():
-            held.set()
-            release.wait(120)
-
-        holder = threading.Thread(target=engine.call, args=(hold,))
-        holder.start()
-        # NOTE: the loop thread waits in hold(), between steps, before any request is sent:
-        # else it could take the first request in the same drain as the hold
-        assert held.wait(60), "the loop never ran the hold"
         results = [None] * len(prompts)
 
         def work(i):
@@ -103,16 +91,10 @@ def test_smollm2_long_prompts_in_one_prefill_step(smollm2_path):
             )
 
         threads = [threading.Thread(target=work, args=(i,)) for i in range(len(prompts))]
+        with loop_held(engine, num_pending=len(prompts)):  # all three in the first step
+            for t in threads:
+                t.start()
         for t in threads:
-            t.start()
-        try:
-            deadline = time.monotonic() + 60
-            while engine.request_manager.num_pending() < len(prompts):  # all three queued
-                assert time.monotonic() < deadline, "the requests never reached the engine"
-                time.sleep(0.01)
-        finally:
-            release.set()
-        for t in [holder, *threads]:
             t.join(timeout=600)
         assert [r.token_ids for r in results] == expected
         assert steps[0] == (1652, 3), steps[:3]  # one prefill step of every prompt

@@ -12,7 +12,7 @@ import torch
 from lmengine import Engine, EngineConfig, GenerationConfig
 from lmengine.engine.cache_engine import CacheEngine, CacheSpec
 from lmengine.engine.request import Answer
-from tests.engine_utils import random_prompts
+from tests.engine_utils import loop_held, random_prompts
 from tests.hf_reference import hf_greedy
 
 _rng = random.Random(5)
@@ -133,35 +133,19 @@ def test_parity_with_transformers_under_many_swaps_and_recomputes(
 def submit_at_once(engine, prompts, gens, priorities=None, user_ids=None, first_id=0):
     """Submit every request while the loop is held between steps, so that they all arrive
     in the same step, in list order; returns their response queues."""
-    import queue as queue_mod
-    import threading
-
-    from lmengine.engine.request import AddRequest
-
-    hold, held = threading.Event(), threading.Event()
-
-    def block():
-        held.set()
-        hold.wait(60)
-
-    blocker = threading.Thread(target=engine.call, args=(block,))
-    blocker.start()
-    held.wait(60)
+    client = engine.client
     queues = []
-    for i, ids in enumerate(prompts):
-        q = queue_mod.Queue()
-        req = AddRequest(
-            request_id=first_id + i,
-            input_ids=ids,
-            gen_config=gens[i] if isinstance(gens, list) else gens,
-            response_queue=q,
-            priority=None if priorities is None else priorities[i],
-            user_id=None if user_ids is None else user_ids[i],
-        )
-        engine.request_manager.submit(req)
-        queues.append(q)
-    hold.set()
-    blocker.join()
+    with loop_held(engine, num_pending=len(prompts)):
+        for i, ids in enumerate(prompts):
+            req = client.request(
+                ids,
+                gens[i] if isinstance(gens, list) else gens,
+                request_id=first_id + i,
+                priority=None if priorities is None else priorities[i],
+                user_id=None if user_ids is None else user_ids[i],
+            )
+            client.submit(req)
+            queues.append(req.response_queue)
     return queues
 
 
