@@ -1,4 +1,4 @@
-"""The engine's front door: how every front end submits, streams, cancels and reads stats.
+"""The engine's front door: how every front end submits, streams and cancels requests.
 
 `EngineInstance`, the `Pipeline` and the server's jobs all go through one `Client`
 (`engine.client`); nothing outside `lmengine/engine/` touches the RequestManager, the
@@ -76,6 +76,3 @@ class Client:
     def cancel(self, request_id: int) -> None:
         """Stop the request; its last delta says "cancel". Nothing happens to one that ended."""
         self._engine.request_manager.submit(CancelRequest(request_id))
-
-    def stats(self) -> dict:
-        return self._engine.stats()

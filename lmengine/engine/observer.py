@@ -60,10 +60,8 @@ def step_report(
     stats: Callable[[], dict],
 ) -> StepReport:
     """The report of a step that ran `out` (None: scheduling itself failed)."""
-    report = StepReport(
-        step, started, time.monotonic() - started, added=added, ended=ended, error=error
-    )
-    report.stats = stats
+    seconds = time.monotonic() - started
+    report = StepReport(step, started, seconds, added=added, ended=ended, error=error, stats=stats)
     if out is not None:
         report.scheduled = [
             ScheduledWork(

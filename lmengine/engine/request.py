@@ -124,10 +124,6 @@ class Answer:
             self._texts = ["".join(self._texts)]
         return self._texts[0] if self._texts else ""
 
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
     def response(self, copy: bool = True) -> Response:
         """The answer so far as one Response (every token so far): copies of its lists, or
         the lists themselves (`copy=False`: once, when nothing is added after)."""
