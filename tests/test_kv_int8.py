@@ -96,12 +96,13 @@ def _all_logits(engine: Engine, seqs: list[list[int]]) -> torch.Tensor:
 def tiny_models(tiny_llama_path, tmp_path_factory, smollm2_path):
     root = tmp_path_factory.mktemp("kv_int8_models")
     paths = {"llama": tiny_llama_path}
-    for name in ("mistral", "gemma2"):  # sliding window; window + soft cap
+    # sliding window; window + soft cap; local and global layers on their own rotary bases
+    for name in ("mistral", "gemma2", "gemma3"):
         paths[name] = save_tiny_model(root / name, smollm2_path, name)
     return paths
 
 
-@pytest.mark.parametrize("name", ["llama", "mistral", "gemma2"])
+@pytest.mark.parametrize("name", ["llama", "mistral", "gemma2", "gemma3"])
 def test_greedy_choices_equal_float32_kv_but_near_ties(tiny_models, name):
     path = str(tiny_models[name])
     prompts = random_prompts(PROMPT_LENGTHS, 49152, seed=1)

@@ -224,3 +224,50 @@ def test_lora_with_w8a8_or_tp_is_a_clear_error(tiny_llama_path, adapter_paths):
     with pytest.raises(ValueError, match="w8a8") as err:
         Engine.from_pretrained(tiny_llama_path, cfg)
     assert "LoRA" in str(err.value)
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "qwen3_moe", "glm4"])
+def test_lora_on_newer_architectures_equals_peft(arch, tmp_path, smollm2_path):
+    """Adapters on the attention and dense MLP linears of Gemma 3 (per-head q/k norms, local
+    and global layers), Qwen3-MoE (attention, the dense layer's MLP; the experts are not
+    nn.Linears) and GLM-4 (gate/up fused in the checkpoint), mixed with the base model."""
+    from tests.test_models_parity import save_tiny_model
+
+    base_path = save_tiny_model(tmp_path / arch, smollm2_path, arch)
+    mlp = ["gate_up_proj", "down_proj"] if arch == "glm4" else ["gate_proj", "up_proj", "down_proj"]
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    if arch != "qwen3_moe":
+        # NOTE: peft turns Qwen3-MoE's MLP names into LoRA on the experts' 3-D parameters
+        # (`target_parameters`), which lmengine refuses by name (below)
+        targets += mlp
+    adapters = {
+        "attn": save_adapter(
+            base_path, tmp_path / "attn", 1, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]
+        ),
+        "all": save_adapter(
+            base_path,
+            tmp_path / "all",
+            2,
+            r=8,
+            lora_alpha=16,
+            target_modules=targets,
+        ),
+    }
+    names = ["attn", None, "all", "all", "attn"]
+    with Engine.from_pretrained(
+        base_path, EngineConfig(adapters=adapters, num_gpu_blocks=64, block_size=4)
+    ) as engine:
+        prompts = random_prompts([5, 17, 3, 12, 9], engine.info.vocab_size, seed=4)
+        expected = peft_greedy(base_path, adapters, prompts, names)
+        base = peft_greedy(base_path, adapters, prompts, [None] * len(prompts))
+        for name, e, b in zip(names, expected, base):
+            assert (e != b) == (name is not None)
+        from lmengine.api import Pipeline
+
+        outs = Pipeline(engine)(prompts, gen_config=GEN, adapter_name=names)
+        assert [o.token_ids for o in outs] == expected
+        if arch == "qwen3_moe":
+            experts = save_adapter(base_path, tmp_path / "experts", 3, r=4, target_modules=mlp)
+            with pytest.raises(ValueError, match="'model.layers.1.mlp.experts' is not a LoRA"):
+                engine.add_adapter("experts", experts)
+        engine.check_integrity()

@@ -1,7 +1,7 @@
 """HF parity for every architecture in MODULE_MAP: greedy float32 output of the engine equals
 transformers `generate`, token for token, on a tiny random model of each architecture saved
 with save_pretrained and loaded through the real loading code, with concurrent requests,
-chunked prefill and preemption.
+chunked prefill, preemption and prefix caching.
 
 Sliding windows (8 keys) are shorter than most prompts, so a kernel that ignored them would
 diverge; Gemma 2's soft caps are low enough to bite on these weights.
@@ -48,6 +48,49 @@ ARCHITECTURES = {
         ),
     ),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", {}),
+    # one local (sliding) and one global layer, each on its own rotary base
+    "gemma3": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        dict(
+            head_dim=16,
+            query_pre_attn_scalar=16,
+            sliding_window=WINDOW,
+            layer_types=["sliding_attention", "full_attention"],
+            final_logit_softcapping=8.0,
+        ),
+    ),
+    # layer 0 dense (mlp_only_layers), layer 1 routed
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        dict(
+            head_dim=16,
+            num_experts=8,
+            num_experts_per_tok=3,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            mlp_only_layers=[0],
+        ),
+    ),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
+    # layer 1 without rotary
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", dict(no_rope_layers=[1, 0])),
+    "granite": (
+        "GraniteConfig",
+        "GraniteForCausalLM",
+        dict(
+            embedding_multiplier=4.0,
+            residual_multiplier=0.5,
+            attention_multiplier=0.2,
+            logits_scaling=2.0,
+        ),
+    ),
+    "glm4": (
+        "Glm4Config",
+        "Glm4ForCausalLM",
+        dict(head_dim=16, partial_rotary_factor=0.5, attention_bias=True),
+    ),
     "mixtral": (
         "MixtralConfig",
         "MixtralForCausalLM",
@@ -81,6 +124,8 @@ ENGINE_CONFIGS = {
     # 52 tokens at most per sequence = 13 blocks: the pool holds about two sequences
     "preempt": dict(block_size=4, num_gpu_blocks=30),
     "chunked": dict(block_size=16, num_gpu_blocks=256, max_prefill_token_num=7),
+    # the prompts run twice: the second time their prefixes come from the cache
+    "prefix": dict(block_size=4, num_gpu_blocks=256, enable_prefix_caching=True),
 }
 
 
@@ -136,18 +181,18 @@ def test_architecture_matches_transformers(arch_case, engine_config):
     try:
         arch = type(engine.model_agent.model).__name__
         assert arch.startswith("Patched"), f"{name} ran unpatched as {arch}"
-        got = run_threads(
-            engine,
-            prompts,
-            GenerationConfig(max_new_tokens=NEW_TOKENS),
-            together=engine_config == "preempt",
-        )
-        for i, (r, exp) in enumerate(zip(got, expected)):
-            assert r.finish_reason in ("stop", "length"), r.error
-            assert r.token_ids == exp, f"{name}: prompt {i} ({len(prompts[i])} tokens) differs"
+        gen = GenerationConfig(max_new_tokens=NEW_TOKENS)
+        rounds = 2 if engine_config == "prefix" else 1
+        for _ in range(rounds):
+            got = run_threads(engine, prompts, gen, together=engine_config == "preempt")
+            for i, (r, exp) in enumerate(zip(got, expected)):
+                assert r.finish_reason in ("stop", "length"), r.error
+                assert r.token_ids == exp, f"{name}: prompt {i} ({len(prompts[i])} tokens) differs"
         stats = engine.stats()
         if engine_config == "preempt":
             assert stats["num_preemptions"] > 0, "the tiny pool was meant to force preemption"
+        if engine_config == "prefix":
+            assert stats["num_prefix_cached_tokens"] > 0, "the second round was meant to hit"
         assert stats["num_free_blocks"] == stats["num_total_blocks"]
         engine.check_integrity()
     finally:

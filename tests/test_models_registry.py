@@ -81,12 +81,12 @@ def example_module():
 def test_guide_example_runs_and_matches_transformers(example_module, argv, capsys):
     assert example_module.main(argv) == 0
     out = capsys.readouterr().out
-    assert "has no lmengine patch" in out
+    assert "Exaone4ForCausalLM has no lmengine patch" in out
     assert "greedy output equals transformers: True" in out
     if argv:
-        assert "transformers.models.granite.modeling_granite.GraniteForCausalLM" in MODULE_MAP
+        assert "transformers.models.exaone4.modeling_exaone4.Exaone4ForCausalLM" in MODULE_MAP
     else:
-        assert not any("granite" in k for k in MODULE_MAP), "module_map leaked into MODULE_MAP"
+        assert not any("exaone4" in k for k in MODULE_MAP), "module_map leaked into MODULE_MAP"
 
 
 @pytest.mark.parametrize("arch", ["opt", "gpt_neox", "qwen2"])

@@ -137,11 +137,19 @@ def test_tp2_with_speculative_decoding_equals_tp1(tiny_llama_path, method):
     _assert_no_worker_left(procs)
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "mistral", "gemma2"])
+@pytest.mark.parametrize(
+    "arch",
+    [
+        *("qwen2", "qwen3", "mistral", "gemma2", "gemma3", "phi3", "glm4", "granite"),
+        "qwen3_moe",
+    ],
+)
 def test_tp2_equals_tp1_on_other_architectures(arch, tmp_path, smollm2_path):
     """The patches' TP plans beyond Llama: attention biases (Qwen2), per-head q/k norms
     (Qwen3), a sliding window (Mistral), soft-caps, alternating windows and four norms per
-    layer (Gemma 2). Tiny random models of the parity tests, several requests batched."""
+    layer (Gemma 2), local and global rotary bases (Gemma 3), q/k/v and gate/up fused in the
+    checkpoint (Phi-3, GLM-4), multipliers (Granite), experts split over the ranks
+    (Qwen3-MoE). Tiny random models of the parity tests, several requests batched."""
     from tests.test_models_parity import save_tiny_model
 
     path = save_tiny_model(tmp_path / arch, smollm2_path, arch)
@@ -160,7 +168,8 @@ def test_tp2_equals_tp1_on_other_architectures(arch, tmp_path, smollm2_path):
     "arch,message",
     [
         ("gpt_neox", "tp > 1 is not supported for this checkpoint.*Use tp=1"),
-        ("phi3", "checkpoint-fused qkv_proj cannot be split by heads yet"),
+        ("olmo2", "OLMo 2's q/k norms span every head"),
+        ("mixtral", "tensor 'model.layers.0.mlp.gate.weight' is not in it"),
         ("opt", "declares no tensor-parallel plan"),
     ],
 )
@@ -173,6 +182,25 @@ def test_tp2_on_an_architecture_it_cannot_split_is_a_clear_error(
     with pytest.raises(ValueError, match=message):
         Engine.from_pretrained(path, EngineConfig(tp=2, device="cpu", num_gpu_blocks=32))
     assert not dist.is_initialized()
+
+
+def test_experts_are_split_over_the_ranks(tmp_path, smollm2_path):
+    """Each rank holds half of the experts, read from the checkpoint's per-expert tensors,
+    and the routers whole."""
+    from tests.test_models_parity import save_tiny_model
+
+    path = save_tiny_model(tmp_path / "qwen3_moe", smollm2_path, "qwen3_moe")
+    full, _ = load_shard(path, "float32", torch.device("cpu"), 0, 1, False)
+    full_moe = full.model.layers[1].mlp
+    assert full_moe.experts.gate_up_proj.shape[0] == 8
+    for rank in (0, 1):
+        shard, _ = load_shard(path, "float32", torch.device("cpu"), rank, 2, False)
+        moe = shard.model.layers[1].mlp
+        assert moe.lmengine_expert_range == (4 * rank, 4 * rank + 4)
+        rows = slice(4 * rank, 4 * rank + 4)
+        assert torch.equal(moe.experts.gate_up_proj, full_moe.experts.gate_up_proj[rows])
+        assert torch.equal(moe.experts.down_proj, full_moe.experts.down_proj[rows])
+        assert torch.equal(moe.gate.weight, full_moe.gate.weight)
 
 
 def _safetensors(path: str) -> list[str]:
@@ -286,16 +314,8 @@ def test_bad_tp_settings_are_refused_before_start(tiny_llama_path, tmp_path):
     for cfg, message in cases:
         with pytest.raises(ValueError, match=message):
             Engine.from_pretrained(tiny_llama_path, EngineConfig(device="cpu", **cfg))
-    from transformers import AutoModelForCausalLM, AutoTokenizer, MixtralConfig, MixtralForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    moe = MixtralConfig(
-        vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
-    )  # fmt: skip
-    MixtralForCausalLM(moe).save_pretrained(tmp_path / "moe")
-    AutoTokenizer.from_pretrained(tiny_llama_path).save_pretrained(tmp_path / "moe")
-    with pytest.raises(ValueError, match="mixture-of-experts model .4 experts. is not supported"):
-        Engine.from_pretrained(str(tmp_path / "moe"), EngineConfig(device="cpu", tp=2))
     model = AutoModelForCausalLM.from_pretrained(tiny_llama_path)
     with pytest.raises(ValueError, match="from_pretrained"):
         Engine(model, None, EngineConfig(tp=2))

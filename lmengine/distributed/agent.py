@@ -232,12 +232,11 @@ class TPModelAgent(ModelAgent):
         """Configuration errors surface before any process starts."""
         from transformers import AutoConfig
 
-        from lmengine.distributed.load import check_tp, check_tp_config
+        from lmengine.distributed.load import check_tp
         from lmengine.models.model_info import ModelInfo
 
         config = AutoConfig.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
         check_tp(ModelInfo.from_hf(config), cfg.tp, device)
-        check_tp_config(config, cfg.tp)
 
     def rank_weight_bytes(self) -> list[int]:
         """Bytes of the weights each rank holds (rank 0 first)."""

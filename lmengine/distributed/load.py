@@ -11,7 +11,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from lmengine.distributed.shard import CheckpointReader, materialize, shard_model
+from lmengine.distributed.checkpoint import CheckpointReader, materialize
+from lmengine.distributed.shard import shard_model
 from lmengine.engine.loader import pick_dtype, resolve_model_path
 from lmengine.models import patch
 from lmengine.models.model_info import ModelInfo
@@ -70,16 +71,6 @@ def check_tp(info: ModelInfo, tp: int, device: torch.device) -> None:
             raise ValueError(f"tp={tp} ranks on {cores} CPU cores: use tp <= {cores}")
 
 
-def check_tp_config(config, tp: int) -> None:
-    """Raise ValueError for what tensor parallelism does not split (before any process starts)."""
-    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
-    if tp > 1 and experts:
-        raise ValueError(
-            f"tp={tp} with a mixture-of-experts model ({experts} experts) is not supported: "
-            "the experts are not sharded; use tp=1"
-        )
-
-
 def load_shard(
     path: str, dtype: str, device: torch.device, rank: int, tp: int, trust_remote_code: bool
 ) -> tuple[nn.Module, ModelInfo]:
@@ -99,7 +90,6 @@ def load_shard(
         generation_config = None
     info = ModelInfo.from_hf(config, generation_config)
     check_tp(info, tp, device)
-    check_tp_config(config, tp)
     torch_dtype = pick_dtype(dtype, device, config, "w8a8" if is_w8a8 else None)
     with parameters_on_meta():
         model = AutoModelForCausalLM.from_config(

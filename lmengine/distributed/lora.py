@@ -37,7 +37,8 @@ def full_targets(targets: LoRATargets) -> LoRATargets:
         if shard is not None and shard.style == "rowwise":
             in_features = shard.full_sizes[0]
         elif shard is not None:
-            sizes = list(shard.full_sizes)
+            # one LoRA part over a linear fused in the checkpoint: its whole output
+            sizes = [sum(shard.full_sizes)] if len(sizes) == 1 else list(shard.full_sizes)
         kinds[name] = LoRAKind(name, in_features, list(kind.part_names), sizes)
     return LoRATargets(kinds, dict(targets.by_hf_name))
 
@@ -52,9 +53,12 @@ def shard_adapter(weights: AdapterWeights, targets: LoRATargets) -> AdapterWeigh
             sharded = []
             for p in parts:
                 a, b = p.lora_a, p.lora_b  # [r, in], [out_part, r]
-                if shard is not None and shard.style == "colwise":
+                if shard is not None and shard.style == "colwise" and len(kind.part_sizes) > 1:
                     start, stop = shard.ranges[p.part]
                     b = b[start:stop]
+                elif shard is not None and shard.style == "colwise":
+                    # rows of each part of a linear fused in the checkpoint (or its one range)
+                    b = torch.cat([b[start:stop] for start, stop in shard.ranges])
                 elif shard is not None:
                     start, stop = shard.ranges[0]
                     a = a[:, start:stop]

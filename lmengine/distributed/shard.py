@@ -14,7 +14,9 @@ tensor parallelism without code. Applied to the patched modules:
 - the input embedding and the LM head are always vocabulary-parallel: each rank holds
   ceil(vocab / tp) rows; embedding rows outside a rank's range are zero and summed; the LM
   head's logit shards are gathered to rank 0.
-- everything else (norms) is replicated.
+- experts (transformers' 3-D expert parameters) are split by expert: each rank holds E / tp
+  whole experts, the block routes over all of them, runs its own and sums over ranks.
+- everything else (norms, routers) is replicated.
 - w8a8 (`W8A8Linear`, int8 weights with a float32 scale per output row): colwise splits the
   int8 rows with their scales; rowwise splits the int8 input columns and keeps the scales
   and bias whole; a rowwise layer takes its per-token input scale over all ranks and sums
@@ -27,17 +29,15 @@ files, so a rank never holds the full weights.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch import nn
 
 from lmengine.distributed.comm import all_reduce, gather_vocab
-from lmengine.models.layers import MergedLinear, PackedLinear
+from lmengine.models.layers import MergedLinear
 from lmengine.models.w8a8 import W8A8Linear
 
 
@@ -63,8 +63,10 @@ class TPShard:
 
     style: str  # "colwise" (output rows split) or "rowwise" (input columns split)
     full_sizes: tuple[int, ...]  # colwise: full output rows of each part; rowwise: (full in,)
-    ranges: tuple[tuple[int, int], ...]  # colwise: this rank's rows of each part; rowwise:
-    # ((first, stop) input column,)
+    # colwise: this rank's rows of each part, counted from the part's first row for a
+    # MergedLinear, from the tensor's for a linear fused in the checkpoint (Phi-3's qkv_proj);
+    # rowwise: ((first, stop) input column,)
+    ranges: tuple[tuple[int, int], ...]
 
 
 def tp_plan(model: nn.Module) -> dict[str, str]:
@@ -197,7 +199,9 @@ def shard_model(model: nn.Module, rank: int, tp: int) -> LoadPlan:
             continue
         parent_name = name.rpartition(".")[0]
         unit = getattr(modules[parent_name], "head_dim", 1) if name else 1
-        if isinstance(module, W8A8Linear):
+        if _is_experts(module):
+            _shard_experts(module, name, modules[parent_name], rank, tp, load)
+        elif isinstance(module, W8A8Linear):
             _shard_w8a8(module, name, parent_name, matcher, unit, rank, tp, load)
         elif isinstance(module, MergedLinear):
             _shard_merged(module, name, parent_name, matcher, unit, rank, tp, load)
@@ -207,6 +211,33 @@ def shard_model(model: nn.Module, rank: int, tp: int) -> LoadPlan:
             for pname, _ in module.named_parameters(recurse=False):
                 load[f"{name}.{pname}"] = [Piece(f"{name}.{pname}", None)]
     return load
+
+
+def _is_experts(module: nn.Module) -> bool:
+    """transformers' experts as 3-D parameters (`gate_up_proj` [E, 2I, H], `down_proj`)."""
+    weight = getattr(module, "gate_up_proj", None)
+    return isinstance(weight, nn.Parameter) and weight.dim() == 3
+
+
+def _shard_experts(
+    module: nn.Module, name: str, block: nn.Module, rank: int, tp: int, load: LoadPlan
+) -> None:
+    """Each rank holds E / tp whole experts (every parameter whose first dimension counts
+    experts: weights, biases). The block routes over all experts, runs its own and sums over
+    ranks; with E not divisible by tp every rank holds them all."""
+    num_experts = module.gate_up_proj.shape[0]
+    start, stop = 0, num_experts
+    if num_experts % tp == 0:
+        start, stop = rank * num_experts // tp, (rank + 1) * num_experts // tp
+        block.lmengine_expert_range = (start, stop)
+        _add_all_reduce(block)
+    for pname, param in module.named_parameters(recurse=False):
+        key = f"{name}.{pname}"
+        if param.shape[0] == num_experts and (start, stop) != (0, num_experts):
+            setattr(module, pname, _meta_param((stop - start, *param.shape[1:]), param))
+            load[key] = [Piece(key, 0, start, stop)]
+        else:
+            load[key] = [Piece(key, None)]
 
 
 def _prefixed(parent: str, child: str) -> str:
@@ -268,16 +299,27 @@ def _shard_linear(
             load[f"{name}.{pname}"] = [Piece(f"{name}.{pname}", None)]
         return
     if style == "colwise":
-        size = module.out_features
-        what = f"the {size // unit} {'heads' if unit > 1 else 'rows'} of {name}"
-        a, b = unit_range(size // unit, unit, rank, tp, what, can_share=unit > 1)
-        module.lmengine_tp_shard = TPShard("colwise", (size,), ((a, b),))
-        module.weight = _meta_param((b - a, module.in_features), module.weight)
-        load[f"{name}.weight"] = [Piece(f"{name}.weight", 0, a, b)]
+        # a linear fused in the checkpoint (Phi-3's qkv_proj, gate_up_proj) is split part by
+        # part, as a MergedLinear is: each rank takes its heads of q, of k and of v
+        full_sizes = getattr(module, "output_sizes", None) or [module.out_features]
+        ranges, sizes, offset = [], [], 0
+        for i, size in enumerate(full_sizes):
+            part = f"{name} (part {i})" if len(full_sizes) > 1 else name
+            what = f"the {size // unit} {'heads' if unit > 1 else 'rows'} of {part}"
+            a, b = unit_range(size // unit, unit, rank, tp, what, can_share=unit > 1)
+            ranges.append((offset + a, offset + b))
+            sizes.append(b - a)
+            offset += size
+        module.lmengine_tp_shard = TPShard("colwise", tuple(full_sizes), tuple(ranges))
+        rows = sum(sizes)
+        module.weight = _meta_param((rows, module.in_features), module.weight)
+        load[f"{name}.weight"] = [Piece(f"{name}.weight", 0, a, b) for a, b in ranges]
         if module.bias is not None:
-            module.bias = _meta_param((b - a,), module.bias)
-            load[f"{name}.bias"] = [Piece(f"{name}.bias", 0, a, b)]
-        module.out_features = b - a
+            module.bias = _meta_param((rows,), module.bias)
+            load[f"{name}.bias"] = [Piece(f"{name}.bias", 0, a, b) for a, b in ranges]
+        module.out_features = rows
+        if len(full_sizes) > 1:
+            module.output_sizes = sizes
         return
     size = module.in_features
     what = f"the {size // unit} input {'heads' if unit > 1 else 'columns'} of {name}"
@@ -353,88 +395,3 @@ def _shard_w8a8(
         load[f"{name}.bias"] = [Piece(f"{name}.bias", None)]
     module.in_features = b - a
     RowParallelW8A8Linear.convert(module)  # it all-reduces its int32 accumulator itself
-
-
-class CheckpointReader:
-    """Reads slices of tensors from a folder of safetensors files, never whole files."""
-
-    def __init__(self, folder: str | Path) -> None:
-        from safetensors import safe_open
-
-        folder = Path(folder)
-        index = folder / "model.safetensors.index.json"
-        if index.exists():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            files = sorted(set(weight_map.values()))
-        else:
-            files = sorted(p.name for p in folder.glob("*.safetensors"))
-            weight_map = None
-        if not files:
-            raise FileNotFoundError(
-                f"tp > 1 loads each rank's shard from safetensors files; {folder} has none"
-            )
-        self._handles = {f: safe_open(str(folder / f), framework="pt", device="cpu") for f in files}
-        if weight_map is None:
-            weight_map = {k: f for f, h in self._handles.items() for k in h.keys()}
-        self.weight_map = weight_map
-
-    def read(self, piece: Piece, like: torch.Tensor) -> torch.Tensor:
-        """The rows of one piece, in `like`'s dtype (on CPU)."""
-        if piece.key is None or (piece.missing_is_zero and piece.key not in self.weight_map):
-            return torch.zeros(piece.stop - piece.start, *like.shape[1:], dtype=like.dtype)
-        if piece.key not in self.weight_map:
-            raise ValueError(
-                f"tp > 1 is not supported for this checkpoint: tensor {piece.key!r} is not in "
-                "it. Sharded loading reads tensors by the model's parameter names, and this "
-                "architecture's checkpoint names differ (transformers renames them when it "
-                "loads the whole model). Use tp=1."
-            )
-        sl = self._handles[self.weight_map[piece.key]].get_slice(piece.key)
-        if piece.dim is None:
-            t = sl[:]
-        elif piece.dim == 0:
-            t = sl[piece.start : piece.stop]
-        else:
-            t = sl[:, piece.start : piece.stop]
-        t = t.to(like.dtype)
-        if piece.pad:
-            t = torch.cat([t, t.new_zeros(piece.pad, *t.shape[1:])])
-        return t
-
-
-def materialize(
-    model: nn.Module, load: LoadPlan, reader: CheckpointReader, device: torch.device
-) -> None:
-    """Replace every meta parameter with its slices read from the checkpoint (tied parameters
-    stay tied), move buffers to `device` and repack the linears."""
-    new: dict[int, nn.Parameter] = {}
-    for name, param in model.named_parameters():
-        pieces = load.get(name)
-        if pieces is None:
-            raise KeyError(f"no load plan for parameter {name}")
-        parts = [reader.read(p, param) for p in pieces]
-        t = parts[0] if len(parts) == 1 else torch.cat(parts)
-        if tuple(t.shape) != tuple(param.shape):
-            raise ValueError(f"{name}: read {tuple(t.shape)}, expected {tuple(param.shape)}")
-        new[id(param)] = nn.Parameter(t.to(device), requires_grad=False)
-    for module in model.modules():
-        for pname, p in list(module._parameters.items()):
-            if p is not None:
-                module._parameters[pname] = new[id(p)]
-    for module_name, module in model.named_modules():  # int8 weights and scales (w8a8)
-        for bname, buf in list(module._buffers.items()):
-            name = f"{module_name}.{bname}" if module_name else bname
-            if buf is None or name not in load:
-                continue
-            parts = [reader.read(p, buf) for p in load[name]]
-            t = parts[0] if len(parts) == 1 else torch.cat(parts)
-            if tuple(t.shape) != tuple(buf.shape):
-                raise ValueError(f"{name}: read {tuple(t.shape)}, expected {tuple(buf.shape)}")
-            module._buffers[bname] = t.to(device)
-    left = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
-    if left:
-        raise ValueError(f"no values loaded for {left[:5]}")
-    model.to(device)
-    for module in model.modules():
-        if isinstance(module, PackedLinear):
-            module.repack()

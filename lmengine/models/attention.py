@@ -4,7 +4,9 @@ write and the paged attention call, with the layer's sliding window and logit so
 A patched attention class mixes `PagedAttentionMixin` in, projects q, k, v its own way (fused,
 separate, biased) and calls `self.paged_attend(q, k, v)`. It reads `self.layer_idx`,
 `self.head_dim`, `self.scaling` (set by transformers' attention `__init__`), and optionally
-`self.sliding_window` and `self.attn_logit_softcapping` (None = off).
+`self.sliding_window` and `self.attn_logit_softcapping` (None = off). A layer whose position
+encoding differs from the model's (no rope at all, another base) overrides `rotary`; one whose
+rotation pairs differ overrides `rotate`.
 """
 
 from __future__ import annotations
@@ -27,10 +29,11 @@ def apply_partial_rotary(
     return torch.cat((q_rot, q[..., rot:]), -1), torch.cat((k_rot, k[..., rot:]), -1)
 
 
-def set_rotary(rotary_emb: torch.nn.Module, hidden_states: torch.Tensor) -> None:
-    """Compute this step's cos/sin once per forward (every layer reads them from the context)."""
+def set_rotary(rotary_emb: torch.nn.Module, hidden_states: torch.Tensor, *args) -> None:
+    """Compute this step's cos/sin once per forward (every layer reads them from the context).
+    `args`: what else the HF rotary module takes (Gemma 3: the layer type)."""
     ctx = get_step_context()
-    cos, sin = rotary_emb(hidden_states, ctx.positions[None])  # [1, num_tokens, rotary_dim]
+    cos, sin = rotary_emb(hidden_states, ctx.positions[None], *args)  # [1, tokens, rotary_dim]
     ctx.cos, ctx.sin = cos[0], sin[0]
 
 
@@ -44,6 +47,24 @@ class PagedAttentionMixin:
         """Per-head norms before rotary (Qwen3 overrides); identity here."""
         return q, k
 
+    def rotary(self, ctx) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """This layer's (cos, sin) [num_tokens, rotary_dim], or None for no rotary: the
+        model's, from the step context (SmolLM3's no-rope layers and Gemma 3's local layers
+        override)."""
+        return None if ctx.cos is None else (ctx.cos, ctx.sin)
+
+    def rotate(
+        self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotary on q, k [num_tokens, heads, head_dim]: halves rotated together (Llama,
+        NeoX), on the first cos.shape[-1] dims (GLM-4 overrides: adjacent pairs). In cos's
+        dtype when it is wider (OLMo 2 keeps float32 cos/sin under bfloat16 weights), rounded
+        back to q's afterwards, as transformers does."""
+        if cos.dtype == q.dtype:
+            return apply_partial_rotary(q, k, cos, sin)
+        q_rot, k_rot = apply_partial_rotary(q.to(cos.dtype), k.to(cos.dtype), cos, sin)
+        return q_rot.to(q.dtype), k_rot.to(k.dtype)
+
     def paged_attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None
     ) -> torch.Tensor:
@@ -54,12 +75,11 @@ class PagedAttentionMixin:
         num_tokens = q.shape[0]
         # (k, v), or (k, v, k_scale, v_scale) with an int8 cache
         k_cache, v_cache, *scales = ctx.kv_caches[self.layer_idx]
+        rotary = self.rotary(ctx)
         fused = None
-        if ctx.cos is not None and not scales and type(self).norm_qk is _no_qk_norm:
+        if rotary is not None and not scales and _plain(type(self)):
             # [num_tokens, heads, head_dim], k and v in the cache; None: not applicable here
-            fused = rotary_fill_kv_cpu(
-                q, k, v, ctx.cos, ctx.sin, k_cache, v_cache, ctx.slot_mapping
-            )
+            fused = rotary_fill_kv_cpu(q, k, v, *rotary, k_cache, v_cache, ctx.slot_mapping)
         if fused is not None:
             q = fused
         else:
@@ -68,8 +88,8 @@ class PagedAttentionMixin:
             k = k.view(num_tokens, -1, self.head_dim)
             v = v.view(num_tokens, -1, self.head_dim)
             q, k = self.norm_qk(q, k)
-            if ctx.cos is not None:
-                q, k = apply_partial_rotary(q, k, ctx.cos, ctx.sin)
+            if rotary is not None:
+                q, k = self.rotate(q, k, *rotary)
             fill_kv_cache(k, v, k_cache, v_cache, ctx.slot_mapping, *scales)
         out = paged_attention(
             q,
@@ -84,4 +104,20 @@ class PagedAttentionMixin:
         return out.view(num_tokens, -1)
 
 
-_no_qk_norm = PagedAttentionMixin.norm_qk  # the fused rotary path needs q, k as they come
+class PerHeadQKNorm:
+    """q/k norms per head before rotary (Qwen3, Qwen3-MoE, Gemma 3): the HF modules `q_norm`
+    and `k_norm` over head_dim. Mixed in before the patched attention class."""
+
+    q_norm: torch.nn.Module
+    k_norm: torch.nn.Module
+
+    def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: [num_tokens, heads, head_dim]. q and k are column slices of the fused
+        projection; contiguous copies let the Triton norm view them as rows."""
+        return self.q_norm(q.contiguous()), self.k_norm(k.contiguous())
+
+
+def _plain(cls: type) -> bool:
+    """Whether `cls` takes q and k as they come and rotates their halves: what the fused
+    rotary + cache write path does."""
+    return cls.norm_qk is PagedAttentionMixin.norm_qk and cls.rotate is PagedAttentionMixin.rotate

@@ -26,6 +26,8 @@ class StepContext:
     logits_indices: torch.Tensor  # [num_samples] packed rows whose logits are needed
     cos: torch.Tensor | None = None  # [num_tokens, head_dim], set by the patched model
     sin: torch.Tensor | None = None
+    # per layer type, where layers rotate differently (Gemma 3's local and global bases)
+    rotary_by_type: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
     lora: Any = None  # lmengine.models.lora.LoRAStep when a scheduled sequence uses an adapter
     hooks: Any = None  # lmengine.models.hooks.LayerHooks when a request steers or reads layers
 

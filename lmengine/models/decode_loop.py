@@ -148,12 +148,13 @@ def _build(layers: list[nn.Module], classes: LayerClasses) -> _Built | None:
         return None
     kinds, modules, tensors, biases, qtypes, eps, scales = set(), [], [], [], [], set(), set()
     for i, layer in enumerate(layers):
+        if not _same(layer, classes.layer, "forward", "norm_input"):
+            return None  # another layout: it may not even have these modules
         attn, mlp = layer.self_attn, layer.mlp
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
         if not (
-            _same(layer, classes.layer, "forward", "norm_input")
-            and _same(attn, classes.attention, "forward")
-            and _same(attn, PagedAttentionMixin, "paged_attend", "norm_qk")
+            _same(attn, classes.attention, "forward")
+            and _same(attn, PagedAttentionMixin, "paged_attend", "norm_qk", "rotary", "rotate")
             and attn.layer_idx == i  # the loop hands layer i the i-th cache
             and attn.sliding_window is None
             and attn.attn_logit_softcapping is None

@@ -100,10 +100,19 @@ LLAMA_LAYER = LayerClasses(
 
 
 class PatchedLlamaModel(LlamaModel):
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[num_tokens] -> [num_tokens, hidden] (Granite overrides: scaled)."""
+        return self.embed_tokens(input_ids)
+
+    def set_rotary(self, hidden_states: torch.Tensor) -> None:
+        """Put this step's cos/sin into the step context (Gemma 3 overrides: one pair per
+        layer type)."""
+        set_rotary(self.rotary_emb, hidden_states)
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids: [num_tokens] -> final hidden states [num_tokens, hidden]."""
-        hidden_states = self.embed_tokens(input_ids)  # [num_tokens, hidden]
-        set_rotary(self.rotary_emb, hidden_states)
+        hidden_states = self.embed(input_ids)  # [num_tokens, hidden]
+        self.set_rotary(hidden_states)
         ctx = get_step_context()
         hooks = ctx.hooks  # research hooks: None unless a request asks
         if hooks is not None:

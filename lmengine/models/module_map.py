@@ -33,9 +33,29 @@ MODULE_MAP: dict[str, str] = {
     f"{_LLAMA}.LlamaRMSNorm": f"{_PATCH}.PatchedRMSNorm",
     **_llama_like("Qwen2", "qwen2.modeling_qwen2", "qwen"),
     **_llama_like("Qwen3", "qwen3.modeling_qwen3", "qwen"),
+    **_llama_like("Qwen3Moe", "qwen3_moe.modeling_qwen3_moe", "qwen"),
+    f"{_HF}.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock": (
+        "lmengine.models.qwen.PatchedQwen3MoeSparseMoeBlock"
+    ),
     **_llama_like("Mistral", "mistral.modeling_mistral", "mistral"),
     **_llama_like("Gemma2", "gemma2.modeling_gemma2", "gemma2"),
     **_llama_like("Phi3", "phi3.modeling_phi3", "phi3"),
+    **_llama_like("Olmo2", "olmo2.modeling_olmo2", "olmo2"),
+    **_llama_like("SmolLM3", "smollm3.modeling_smollm3", "smollm3"),
+    **_llama_like("Granite", "granite.modeling_granite", "granite"),
+    **_llama_like("Glm4", "glm4.modeling_glm4", "glm4"),
+    **_family(
+        "gemma3.modeling_gemma3",
+        "gemma3",
+        [
+            "Gemma3ForCausalLM",
+            "Gemma3TextModel",
+            "Gemma3DecoderLayer",
+            "Gemma3Attention",
+            "Gemma3MLP",
+            "Gemma3RMSNorm",
+        ],
+    ),
     **_family(
         "mixtral.modeling_mixtral",
         "mistral",

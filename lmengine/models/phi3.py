@@ -3,13 +3,15 @@ optional partial rotary and sliding window from the config.
 
 NOTE: the checkpoint-fused linears stay one PackedLinear each under their HF names (that is
 what a peft adapter for Phi-3 targets). They carry `output_sizes` (q, k, v rows; gate, up rows)
-like a MergedLinear, so a transform that shards or splits them knows the parts; they have no
-`source_names` because transformers never had separate linears.
+like a MergedLinear, so a transform that shards or splits them knows the parts (tensor
+parallelism splits each part by heads); they have no `source_names` because transformers never
+had separate linears.
 """
 
 from __future__ import annotations
 
 import torch
+from torch import nn
 from transformers.models.phi3.modeling_phi3 import (
     Phi3Attention,
     Phi3DecoderLayer,
@@ -33,14 +35,26 @@ class PatchedPhi3RMSNorm(PatchedRMSNorm, Phi3RMSNorm):
     pass
 
 
-class PatchedPhi3MLP(Phi3MLP):
+class FusedGateUpMLP:
+    """An MLP whose checkpoint holds gate and up as one `gate_up_proj` (gate rows first) with
+    `activation_fn` on the gate (Phi-3, GLM-4)."""
+
+    gate_up_proj: PackedLinear
+    down_proj: PackedLinear
+    activation_fn: nn.Module
+
     def lmengine_post_patch(self) -> None:
-        PackedLinear.convert(self.gate_up_proj).output_sizes = [self.config.intermediate_size] * 2
+        gate_up = PackedLinear.convert(self.gate_up_proj)
+        gate_up.output_sizes = [gate_up.out_features // 2] * 2
         PackedLinear.convert(self.down_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [num_tokens, intermediate] each
         return self.down_proj(up * self.activation_fn(gate))
+
+
+class PatchedPhi3MLP(FusedGateUpMLP, Phi3MLP):
+    pass
 
 
 class PatchedPhi3Attention(PagedAttentionMixin, Phi3Attention):
@@ -68,11 +82,3 @@ class PatchedPhi3Model(PatchedLlamaModel, Phi3Model):
 class PatchedPhi3ForCausalLM(PatchedLlamaForCausalLM, Phi3ForCausalLM):
     """Llama with q/k/v and gate/up fused in the checkpoint; optional partial rotary and
     sliding window."""
-
-    # NOTE: HF's Phi-3 plan splits the fused qkv_proj contiguously, which would hand a rank
-    # q rows only. Until the TP loader splits a checkpoint-fused linear by its `output_sizes`,
-    # this plan makes tp > 1 fail at load time with the reason in the message.
-    lmengine_tp_plan: dict[str, str] = {
-        "model.layers.*.self_attn.qkv_proj": "unsupported: Phi-3's checkpoint-fused qkv_proj "
-        "cannot be split by heads yet (use tp=1)",
-    }
