@@ -9,6 +9,10 @@ With `sliding_window=W` query at position p sees only keys `p-W+1..p` (transform
 `kv_idx > q_idx - W`); with `softcap=c` the scaled scores become `c * tanh(scores / c)` before
 masking (Gemma 2). Both are per call, so alternating layers share one AttentionMetadata.
 
+With `sinks` (gpt-oss: one learned float32 logit per query head) the softmax runs over the
+visible keys' scores and that logit, which carries no value: out = sum_j exp(s_j) v_j /
+(sum_j exp(s_j) + exp(sink)). The sink is not soft-capped, and is seen whatever the window.
+
 GQA is handled by grouping query heads per KV head, never by repeating the cache. Lengths,
 block tables and the CPU gather plans come from `AttentionMetadata`, built once per step
 (lmengine.kernels.attention_metadata).
@@ -44,12 +48,14 @@ def paged_attention_ref(
     softcap: float | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    *,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Plain per-sequence reference.
 
     q: [num_tokens, num_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size,
     num_kv_heads, head_dim] (int8 with k_scale, v_scale: [num_blocks, block_size,
-    num_kv_heads]) -> [num_tokens, num_heads, head_dim].
+    num_kv_heads]); sinks: [num_heads] or None -> [num_tokens, num_heads, head_dim].
     """
     if k_scale is not None:
         k_cache = dequantize_kv_ref(k_cache, k_scale)
@@ -74,7 +80,12 @@ def paged_attention_ref(
         if sliding_window is not None:
             hidden |= keys <= pos - sliding_window
         scores.masked_fill_(hidden, float("-inf"))
-        probs = scores.softmax(-1)
+        if sinks is None:
+            probs = scores.softmax(-1)
+        else:
+            # one more logit per head, then dropped: it only adds to the denominator
+            sink = sinks.float().view(num_heads, 1, 1).expand(num_heads, q_len, 1)
+            probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
         out[start : start + q_len] = (probs @ v).transpose(0, 1).to(q.dtype)
     return out
 

@@ -47,10 +47,11 @@ def make_paged_batch(
 
 
 def dense_causal_attention(
-    q, dense_k, dense_v, q_lens, kv_lens, scale, sliding_window=None, softcap=None
+    q, dense_k, dense_v, q_lens, kv_lens, scale, sliding_window=None, softcap=None, sinks=None
 ):
     """Independent dense reference: per sequence, plain softmax attention in float64; a query
-    at position p sees keys (p - sliding_window, p]; scores are soft-capped before masking."""
+    at position p sees keys (p - sliding_window, p]; scores are soft-capped before masking. A
+    sink (sinks: [heads]) adds exp(sink) to each head's softmax denominator."""
     out, start = [], 0
     for b, (ql, kl) in enumerate(zip(q_lens, kv_lens)):
         qb = q[start : start + ql].double()
@@ -66,5 +67,12 @@ def dense_causal_attention(
         if sliding_window is not None:
             visible &= torch.arange(kl)[None, :] > pos - sliding_window
         scores = scores.masked_fill(~visible, float("-inf"))
-        out.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), v))
+        if sinks is None:
+            probs = scores.softmax(-1)
+        else:
+            sink = sinks.double()[:, None, None]  # [heads, 1, 1]
+            top = torch.maximum(scores.amax(-1, keepdim=True), sink)
+            weights = (scores - top).exp()
+            probs = weights / (weights.sum(-1, keepdim=True) + (sink - top).exp())
+        out.append(torch.einsum("hqk,khd->qhd", probs, v))
     return torch.cat(out)

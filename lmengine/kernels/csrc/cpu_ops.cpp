@@ -238,12 +238,15 @@ inline void attend_block(const float* q_group, const float* k_block, const float
 // the cache directly. Queries and outputs are float32, or bfloat16 (Query = at::BFloat16: each
 // task widens its query rows exactly and rounds its outputs to nearest even, as `.float()` before
 // and `.to(torch.bfloat16)` after the float32 kernel would, without those two passes).
+// `sinks_ptr`: a learned logit per query head (gpt-oss), or nullptr. Each head's online softmax
+// starts from its sink as if it were one more key with a zero value: running maximum = the
+// sink, running sum = exp(0) = 1; the keys' blocks then rescale it as they go.
 template <typename Cache, int64_t kDim, typename Query = float>
 void decode_loop(const Query* q_ptr, const Cache* k_ptr, const Cache* v_ptr, const float* ks_ptr,
-                 const float* vs_ptr, const int32_t* table_ptr, const int32_t* len_ptr,
-                 Query* out_ptr, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
-                 int64_t head_dim, int64_t block_size, int64_t max_blocks, float fscale,
-                 float fcap, int64_t sliding_window) {
+                 const float* vs_ptr, const float* sinks_ptr, const int32_t* table_ptr,
+                 const int32_t* len_ptr, Query* out_ptr, int64_t num_seqs, int64_t num_heads,
+                 int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t max_blocks,
+                 float fscale, float fcap, int64_t sliding_window) {
   constexpr bool kQuant = std::is_same<Cache, int8_t>::value;
   constexpr bool kConvert = !std::is_same<Cache, float>::value;  // through the float buffers
   constexpr bool kWideQuery = !std::is_same<Query, float>::value;
@@ -271,8 +274,14 @@ void decode_loop(const Query* q_ptr, const Cache* k_ptr, const Cache* v_ptr, con
       const int64_t kv_len = len_ptr[seq];
       TORCH_CHECK(kv_len > 0 && kv_len <= max_blocks * block_size, "kv_len out of range");
       std::fill(acc.begin(), acc.end(), 0.f);
-      std::fill(run_max.begin(), run_max.end(), -std::numeric_limits<float>::infinity());
-      std::fill(run_sum.begin(), run_sum.end(), 0.f);
+      if (sinks_ptr != nullptr) {
+        std::copy(sinks_ptr + kv_first * group, sinks_ptr + kv_first * group + job_heads,
+                  run_max.begin());
+        std::fill(run_sum.begin(), run_sum.end(), 1.f);
+      } else {
+        std::fill(run_max.begin(), run_max.end(), -std::numeric_limits<float>::infinity());
+        std::fill(run_sum.begin(), run_sum.end(), 0.f);
+      }
       const int64_t first_key = first_key_of(seq);
       const Query* q_job = q_ptr + (seq * num_heads + kv_first * group) * head_dim;
       if constexpr (kWideQuery) {
@@ -375,14 +384,15 @@ void decode_loop(const Query* q_ptr, const Cache* k_ptr, const Cache* v_ptr, con
 // decode_loop with head_dim fixed at compile time where it is a common size
 template <typename Cache, typename Query = float>
 void decode_dispatch(const Query* q_ptr, const Cache* k_ptr, const Cache* v_ptr,
-                     const float* ks_ptr, const float* vs_ptr, const int32_t* table_ptr,
-                     const int32_t* len_ptr, Query* out_ptr, int64_t num_seqs, int64_t num_heads,
-                     int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                     int64_t max_blocks, float fscale, float fcap, int64_t sliding_window) {
+                     const float* ks_ptr, const float* vs_ptr, const float* sinks_ptr,
+                     const int32_t* table_ptr, const int32_t* len_ptr, Query* out_ptr,
+                     int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                     int64_t block_size, int64_t max_blocks, float fscale, float fcap,
+                     int64_t sliding_window) {
   auto run = [&](auto dim_tag) {
     decode_loop<Cache, decltype(dim_tag)::value, Query>(
-        q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, len_ptr, out_ptr, num_seqs, num_heads,
-        num_kv_heads, head_dim, block_size, max_blocks, fscale, fcap, sliding_window);
+        q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, sinks_ptr, table_ptr, len_ptr, out_ptr, num_seqs,
+        num_heads, num_kv_heads, head_dim, block_size, max_blocks, fscale, fcap, sliding_window);
   };
   if (head_dim == 64) {
     run(std::integral_constant<int64_t, 64>());
@@ -416,6 +426,16 @@ void check_decode_inputs(const at::Tensor& q, const at::Tensor& k_cache,
   TORCH_CHECK(sliding_window >= 0 && softcap >= 0, "sliding_window and softcap must be >= 0");
 }
 
+// The sinks' data (float32 [num_heads] on the CPU), or nullptr without sinks
+const float* sinks_data(const c10::optional<at::Tensor>& sinks, int64_t num_heads) {
+  if (!sinks.has_value()) return nullptr;
+  const at::Tensor& t = *sinks;
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous() &&
+                  t.dim() == 1 && t.size(0) == num_heads,
+              "sinks must be a contiguous float32 CPU tensor [num_heads]");
+  return t.data_ptr<float>();
+}
+
 }  // namespace
 
 // Decode attention straight from the paged cache: one query token per sequence, no gather.
@@ -425,22 +445,26 @@ void check_decode_inputs(const at::Tensor& q, const at::Tensor& k_cache,
 //   kv_lens:      [num_seqs] int32, keys visible to the sequence's query (its own included)
 //   sliding_window: > 0 limits the query to its last `sliding_window` keys (0 = all)
 //   softcap:        > 0 caps the scaled scores as softcap * tanh(score / softcap) (Gemma 2)
+//   sinks:          [num_heads] float32, a learned logit per head in the softmax with no value
+//                   (gpt-oss), or None
 // Returns [num_seqs, num_heads, head_dim]. The query heads of one KV head (GQA group) are
 // served together, so each key and value row is read once per group. Softmax is online
 // (running max and sum per head), one block at a time.
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
                                   const at::Tensor& v_cache, const at::Tensor& block_tables,
                                   const at::Tensor& kv_lens, double scale,
-                                  int64_t sliding_window, double softcap) {
+                                  int64_t sliding_window, double softcap,
+                                  const c10::optional<at::Tensor>& sinks) {
   check_cpu_f32(k_cache, "k_cache");
   check_cpu_f32(v_cache, "v_cache");
   check_decode_inputs(q, k_cache, v_cache, block_tables, kv_lens, sliding_window, softcap);
   auto out = at::empty_like(q);
-  decode_dispatch<float>(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
-                     nullptr, nullptr, block_tables.data_ptr<int32_t>(),
-                     kv_lens.data_ptr<int32_t>(), out.data_ptr<float>(), q.size(0), q.size(1),
-                     k_cache.size(2), q.size(2), k_cache.size(1), block_tables.size(1),
-                     static_cast<float>(scale), static_cast<float>(softcap), sliding_window);
+  decode_dispatch<float>(q.data_ptr<float>(), k_cache.data_ptr<float>(),
+                         v_cache.data_ptr<float>(), nullptr, nullptr, sinks_data(sinks, q.size(1)),
+                         block_tables.data_ptr<int32_t>(), kv_lens.data_ptr<int32_t>(),
+                         out.data_ptr<float>(), q.size(0), q.size(1), k_cache.size(2), q.size(2),
+                         k_cache.size(1), block_tables.size(1), static_cast<float>(scale),
+                         static_cast<float>(softcap), sliding_window);
   return out;
 }
 
@@ -450,17 +474,19 @@ at::Tensor paged_decode_attention_int8(const at::Tensor& q, const at::Tensor& k_
                                        const at::Tensor& v_cache, const at::Tensor& k_scale,
                                        const at::Tensor& v_scale, const at::Tensor& block_tables,
                                        const at::Tensor& kv_lens, double scale,
-                                       int64_t sliding_window, double softcap) {
+                                       int64_t sliding_window, double softcap,
+                                       const c10::optional<at::Tensor>& sinks) {
   check_int8_cache(k_cache, k_scale, "k_cache");
   check_int8_cache(v_cache, v_scale, "v_cache");
   check_decode_inputs(q, k_cache, v_cache, block_tables, kv_lens, sliding_window, softcap);
   auto out = at::empty_like(q);
   decode_dispatch<int8_t>(q.data_ptr<float>(), k_cache.data_ptr<int8_t>(),
-                      v_cache.data_ptr<int8_t>(), k_scale.data_ptr<float>(),
-                      v_scale.data_ptr<float>(), block_tables.data_ptr<int32_t>(),
-                      kv_lens.data_ptr<int32_t>(), out.data_ptr<float>(), q.size(0), q.size(1),
-                      k_cache.size(2), q.size(2), k_cache.size(1), block_tables.size(1),
-                      static_cast<float>(scale), static_cast<float>(softcap), sliding_window);
+                          v_cache.data_ptr<int8_t>(), k_scale.data_ptr<float>(),
+                          v_scale.data_ptr<float>(), sinks_data(sinks, q.size(1)),
+                          block_tables.data_ptr<int32_t>(), kv_lens.data_ptr<int32_t>(),
+                          out.data_ptr<float>(), q.size(0), q.size(1), k_cache.size(2), q.size(2),
+                          k_cache.size(1), block_tables.size(1), static_cast<float>(scale),
+                          static_cast<float>(softcap), sliding_window);
   return out;
 }
 
@@ -471,19 +497,22 @@ at::Tensor paged_decode_attention_int8(const at::Tensor& q, const at::Tensor& k_
 at::Tensor paged_decode_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache,
                                        const at::Tensor& v_cache, const at::Tensor& block_tables,
                                        const at::Tensor& kv_lens, double scale,
-                                       int64_t sliding_window, double softcap) {
+                                       int64_t sliding_window, double softcap,
+                                       const c10::optional<at::Tensor>& sinks) {
   for (const at::Tensor* t : {&k_cache, &v_cache}) {
     TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kBFloat16 && t->is_contiguous(),
                 "k_cache and v_cache must be contiguous bfloat16 CPU tensors");
   }
   check_decode_inputs(q, k_cache, v_cache, block_tables, kv_lens, sliding_window, softcap, true);
   auto out = at::empty_like(q);
+  const float* sinks_ptr = sinks_data(sinks, q.size(1));
   auto run = [&](auto* q_ptr, auto* out_ptr) {
     decode_dispatch<at::BFloat16>(
         q_ptr, k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(), nullptr,
-        nullptr, block_tables.data_ptr<int32_t>(), kv_lens.data_ptr<int32_t>(), out_ptr,
-        q.size(0), q.size(1), k_cache.size(2), q.size(2), k_cache.size(1), block_tables.size(1),
-        static_cast<float>(scale), static_cast<float>(softcap), sliding_window);
+        nullptr, sinks_ptr, block_tables.data_ptr<int32_t>(), kv_lens.data_ptr<int32_t>(),
+        out_ptr, q.size(0), q.size(1), k_cache.size(2), q.size(2), k_cache.size(1),
+        block_tables.size(1), static_cast<float>(scale), static_cast<float>(softcap),
+        sliding_window);
   };
   if (q.scalar_type() == at::kBFloat16) {
     run(q.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>());
@@ -611,14 +640,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, release_gil(),
         "decode attention over the paged KV cache (float32, CPU)", py::arg("q"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("kv_lens"),
-        py::arg("scale"), py::arg("sliding_window") = 0, py::arg("softcap") = 0.0);
+        py::arg("scale"), py::arg("sliding_window") = 0, py::arg("softcap") = 0.0,
+        py::arg("sinks") = py::none());
   m.def("paged_decode_attention_int8", &paged_decode_attention_int8, release_gil(),
         "decode attention over the paged int8 KV cache (float32 queries, CPU)", py::arg("q"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("k_scale"), py::arg("v_scale"),
         py::arg("block_tables"), py::arg("kv_lens"), py::arg("scale"),
-        py::arg("sliding_window") = 0, py::arg("softcap") = 0.0);
+        py::arg("sliding_window") = 0, py::arg("softcap") = 0.0, py::arg("sinks") = py::none());
   m.def("paged_decode_attention_bf16", &paged_decode_attention_bf16, release_gil(),
         "decode attention over the paged bfloat16 KV cache (float32 or bfloat16 queries, CPU)", py::arg("q"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("kv_lens"),
-        py::arg("scale"), py::arg("sliding_window") = 0, py::arg("softcap") = 0.0);
+        py::arg("scale"), py::arg("sliding_window") = 0, py::arg("softcap") = 0.0,
+        py::arg("sinks") = py::none());
 }

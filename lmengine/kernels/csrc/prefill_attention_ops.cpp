@@ -101,6 +101,27 @@ void check_cache(const at::Tensor& t, const char* name) {
               name, " must be a contiguous float32 CPU tensor [blocks, block_size, kv_heads, D]");
 }
 
+// The sinks' data (float32 [heads] on the CPU), or nullptr without sinks
+const float* sinks_data(const c10::optional<at::Tensor>& sinks, int64_t heads, const char* op) {
+  if (!sinks.has_value()) return nullptr;
+  const at::Tensor& t = *sinks;
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous() &&
+                  t.dim() == 1 && t.size(0) == heads,
+              op, ": sinks must be a contiguous float32 CPU tensor [heads]");
+  return t.data_ptr<float>();
+}
+
+// A task's running maxima and sums before its first key tile: -inf and 0, or, with a learned
+// sink per query head (gpt-oss), the sink and exp(0) = 1, as if the sink were one more key
+// with a zero value. `sinks` points at the task's first query head; column c belongs to head
+// c / rows.
+void start_softmax(const float* sinks, int64_t m, int64_t rows, float* row_max, float* row_sum) {
+  for (int64_t c = 0; c < m; ++c) {
+    row_max[c] = sinks != nullptr ? sinks[c / rows] : -std::numeric_limits<float>::infinity();
+    row_sum[c] = sinks != nullptr ? 1.f : 0.f;
+  }
+}
+
 void check_i32(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kInt && t.is_contiguous(), name,
               " must be a contiguous int32 CPU tensor");
@@ -151,7 +172,7 @@ void softmax_tile(const float* s, int64_t kn16, int64_t m, int64_t rows, int64_t
     v16f mx = old;
     for (int u = 0; u < 4; ++u) mx = mx4[u] > mx ? mx4[u] : mx;
     // a column's first tile always holds its key 0: mx is finite from then on, and
-    // exp(-inf - mx) = 0 for the old sum
+    // exp(-inf - mx) = 0 for the old sum (with a sink, old is already finite)
     const v16f alpha = exp16(old - mx);
     v16f sum4[4] = {};
     for (int64_t j = 0; j < kn16; j += 4) {
@@ -209,11 +230,13 @@ bool prefill_attention_available() {
 // contiguous), k_cache / v_cache [blocks, bs, KH, D], tables [n, max_blocks], q_start / q_lens
 // / kv_lens [n] (the chunk of sequence s is rows q_start[s] .. + q_lens[s] of q, at positions
 // kv_lens[s] - q_lens[s] ...; its keys are already in the cache). Writes those rows of `out`
-// [T, H, D] (contiguous).
+// [T, H, D] (contiguous). `sinks`: a learned logit per query head [H] float32 (gpt-oss) that
+// joins each softmax with no value, or None.
 void paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
                              const at::Tensor& v_cache, const at::Tensor& tables,
                              const at::Tensor& q_start, const at::Tensor& q_lens,
-                             const at::Tensor& kv_lens, double scale, at::Tensor& out) {
+                             const at::Tensor& kv_lens, double scale, at::Tensor& out,
+                             const c10::optional<at::Tensor>& sinks) {
   TORCH_CHECK(q.device().is_cpu() && q.scalar_type() == at::kFloat && q.dim() == 3 &&
                   q.stride(2) == 1 && q.stride(1) == q.size(2),
               "paged_prefill_attention: q must be float32 [T, H, D] with contiguous heads");
@@ -238,6 +261,7 @@ void paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
   const int32_t* qs = q_start.data_ptr<int32_t>();
   const int32_t* ql = q_lens.data_ptr<int32_t>();
   const int32_t* kl = kv_lens.data_ptr<int32_t>();
+  const float* sp = sinks_data(sinks, heads, "paged_prefill_attention");
   const int64_t task_rows = task_rows_for(group), m = group * task_rows;
   const Plan plan = plan_tasks("paged_prefill_attention", qs, ql, kl, n, bs, max_blocks,
                                q.size(0), kv_heads, task_rows, dim);
@@ -301,8 +325,8 @@ void paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
         transpose_block(qp + row0 * q_row + (t.kv_head * group + g) * dim, q_row,
                         qt.data() + g * task_rows, m, t.rows, dim, fscale);
       std::fill(ot.begin(), ot.end(), 0.f);
-      std::fill(row_max.begin(), row_max.end(), -std::numeric_limits<float>::infinity());
-      std::fill(row_sum.begin(), row_sum.end(), 0.f);
+      start_softmax(sp != nullptr ? sp + t.kv_head * group : nullptr, m, task_rows,
+                    row_max.data(), row_sum.data());
       for (int64_t k0 = 0; k0 < key_end; k0 += kK) {
         // 16 keys at a time: the zero keys past the buffer's end are masked like the rest
         const int64_t kn16 = round16(std::min<int64_t>(kK, key_end - k0));
@@ -399,7 +423,8 @@ inline void store_rows_bf16(const float* ot, int64_t m, int64_t c0, const float*
 void paged_prefill_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache,
                                   const at::Tensor& v_cache, const at::Tensor& tables,
                                   const at::Tensor& q_start, const at::Tensor& q_lens,
-                                  const at::Tensor& kv_lens, double scale, at::Tensor& out) {
+                                  const at::Tensor& kv_lens, double scale, at::Tensor& out,
+                                  const c10::optional<at::Tensor>& sinks) {
   const char* op = "paged_prefill_attention_bf16";
   TORCH_CHECK(q.device().is_cpu() && q.scalar_type() == at::kBFloat16 && q.dim() == 3 &&
                   q.stride(2) == 1 && q.stride(1) == q.size(2),
@@ -429,6 +454,7 @@ void paged_prefill_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache
   const int32_t* qs = q_start.data_ptr<int32_t>();
   const int32_t* ql = q_lens.data_ptr<int32_t>();
   const int32_t* kl = kv_lens.data_ptr<int32_t>();
+  const float* sp = sinks_data(sinks, heads, op);
   const int64_t task_rows = task_rows_for(group), m = group * task_rows;
   const Plan plan =
       plan_tasks(op, qs, ql, kl, n, bs, max_blocks, q.size(0), kv_heads, task_rows, dim);
@@ -490,8 +516,8 @@ void paged_prefill_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache
         transpose_bits_block(qp + row0 * q_row + (t.kv_head * group + g) * dim, q_row * 2,
                              qt.data() + g * task_rows, m, t.rows, words);
       std::fill(ot.begin(), ot.end(), 0.f);
-      std::fill(row_max.begin(), row_max.end(), -std::numeric_limits<float>::infinity());
-      std::fill(row_sum.begin(), row_sum.end(), 0.f);
+      start_softmax(sp != nullptr ? sp + t.kv_head * group : nullptr, m, task_rows,
+                    row_max.data(), row_sum.data());
       for (int64_t k0 = 0; k0 < key_end; k0 += kK) {
         const int64_t kn16 = round16(std::min<int64_t>(kK, key_end - k0));
         at::native::cpublas::brgemm(kn16, m, dim, dim, m, m, false,
@@ -537,11 +563,12 @@ void register_prefill_attention_ops(py::module& m) {
         "on the matrix units, float32 softmax)",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("tables"),
         py::arg("q_start"), py::arg("q_lens"), py::arg("kv_lens"), py::arg("scale"),
-        py::arg("out"));
+        py::arg("out"), py::arg("sinks") = py::none());
   m.def("prefill_attention_available", &prefill_attention_available, release_gil(),
         "whether the prefill attention runs here (oneDNN's GEMM microkernel, an AVX-512 build)");
   m.def("paged_prefill_attention", &paged_prefill_attention, release_gil(),
         "causal attention of prompt chunks over the paged KV cache (float32, CPU)", py::arg("q"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("tables"), py::arg("q_start"),
-        py::arg("q_lens"), py::arg("kv_lens"), py::arg("scale"), py::arg("out"));
+        py::arg("q_lens"), py::arg("kv_lens"), py::arg("scale"), py::arg("out"),
+        py::arg("sinks") = py::none());
 }
