@@ -90,20 +90,28 @@ def paged_attention_ref(
     return out
 
 
-def _softcapped_attention(
+def _explicit_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     mask: torch.Tensor,
     scale: float,
-    softcap: float,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
 ) -> torch.Tensor:
-    """SDPA with `softcap * tanh(scores / softcap)` (SDPA itself cannot cap).
-    q: [n, kv_heads, rows, d]; k, v: [n, kv_heads, keys, d]; mask: additive, broadcastable
-    to [n, kv_heads, rows, keys]."""
+    """Attention with the scores in hand, for what SDPA cannot do: `softcap * tanh(scores /
+    softcap)`, and a sink logit per row that joins the softmax with no value (its softmax then
+    runs in float32). q: [n, kv_heads, rows, d]; k, v: [n, kv_heads, keys, d]; mask: additive,
+    broadcastable to [n, kv_heads, rows, keys]; sinks: [kv_heads, rows] float32."""
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [n, kv_heads, rows, keys]
-    scores = torch.tanh(scores / softcap) * softcap + mask
-    return torch.matmul(scores.softmax(-1), v)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores + mask
+    if sinks is None:
+        return torch.matmul(scores.softmax(-1), v)
+    sink = sinks[None, :, :, None].expand(scores.shape[0], -1, -1, 1)  # [n, kv_heads, rows, 1]
+    probs = torch.cat([scores.float(), sink], dim=-1).softmax(-1)[..., :-1]
+    return torch.matmul(probs.to(v.dtype), v)
 
 
 def paged_attention_cpu(
@@ -116,8 +124,12 @@ def paged_attention_cpu(
     softcap: float | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    *,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Vectorised CPU path: one padded SDPA call per group (decodes, prefills)."""
+    """Vectorised CPU path, group by group (decodes, prefills): the compiled kernels where they
+    apply, else one padded SDPA call per group (with a sink or a soft cap: the scores
+    computed explicitly, _explicit_attention)."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group_size = num_heads // num_kv_heads
@@ -139,7 +151,7 @@ def paged_attention_cpu(
             tables, kv_lens = plan.decode_tables, plan.decode_kv_lens
             window, cap = sliding_window or 0, softcap or 0.0  # 0: none
             caches = (k_cache, v_cache, k_scale, v_scale) if quantized else (k_cache, v_cache)
-            res = kernel(qd, *caches, tables, kv_lens, scale, window, cap)
+            res = kernel(qd, *caches, tables, kv_lens, scale, window, cap, sinks)
             if widen:
                 res = res.to(q.dtype)
             if plan.is_identity:
@@ -154,7 +166,7 @@ def paged_attention_cpu(
         if prefill is not None:
             if out is None:
                 out = torch.empty_like(q, memory_format=torch.contiguous_format)
-            prefill(q, k_cache, v_cache, *plan.prefill_args, scale, out)  # writes its rows
+            prefill(q, k_cache, v_cache, *plan.prefill_args, scale, out, sinks)  # writes its rows
             if plan.is_identity:
                 return out
             continue
@@ -167,7 +179,7 @@ def paged_attention_cpu(
             vs = v_scale.index_select(0, plan.kv_blocks).view(n, -1, num_kv_heads)
             kg, vg = dequantize_kv(kg, ks, q.dtype), dequantize_kv(vg, vs, q.dtype)
         kg, vg = kg.transpose(1, 2), vg.transpose(1, 2)
-        if plan.is_fresh and sliding_window is None and softcap is None:
+        if plan.is_fresh and sliding_window is None and softcap is None and sinks is None:
             # NOTE: whole prompts, right-padded: top-left causal masking is exact for the real
             # rows, and SDPA then skips the masked half instead of reading a dense mask.
             qf = q[plan.q_index].transpose(1, 2)  # [n, heads, max_q, d]
@@ -181,10 +193,15 @@ def paged_attention_cpu(
             qg = qg.view(n, max_q, num_kv_heads, group_size, head_dim)
             qg = qg.permute(0, 2, 3, 1, 4).reshape(n, num_kv_heads, group_size * max_q, head_dim)
             mask = plan.mask_for(group_size, q.dtype, sliding_window)
-            if softcap is None:
+            if softcap is None and sinks is None:
                 res = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=scale)
             else:
-                res = _softcapped_attention(qg, kg, vg, mask, scale, softcap)
+                # rows ordered (head in group, query), as qg's
+                row_sinks = None
+                if sinks is not None:
+                    row_sinks = sinks.view(num_kv_heads, group_size, 1).expand(-1, -1, max_q)
+                    row_sinks = row_sinks.reshape(num_kv_heads, group_size * max_q)
+                res = _explicit_attention(qg, kg, vg, mask, scale, softcap, row_sinks)
             # [n, kv_heads, g, max_q, d] -> [n * max_q, heads, d]
             res = res.view(n, num_kv_heads, group_size, max_q, head_dim).permute(0, 3, 1, 2, 4)
             res = res.reshape(n * max_q, num_heads, head_dim)
@@ -237,11 +254,14 @@ def paged_attention(
     softcap: float | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    *,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, head_dim].
 
     `sliding_window` (keys per query, >= 1) and `softcap` (> 0) are optional; None = off.
-    An int8 cache needs `k_scale` and `v_scale` ([num_blocks, block_size, num_kv_heads])."""
+    An int8 cache needs `k_scale` and `v_scale` ([num_blocks, block_size, num_kv_heads]).
+    `sinks`: [num_heads] learned logits (gpt-oss), any float dtype, used as float32."""
     if (k_cache.dtype == torch.int8) != (k_scale is not None and v_scale is not None):
         raise ValueError("paged_attention: an int8 cache needs k_scale and v_scale, and only it")
     if q.shape[1] % k_cache.shape[2] != 0:
@@ -253,14 +273,23 @@ def paged_attention(
         raise ValueError(f"paged_attention: sliding_window must be >= 1, got {sliding_window}")
     if softcap is not None and softcap <= 0:
         raise ValueError(f"paged_attention: softcap must be > 0, got {softcap}")
+    if sinks is not None:
+        if sinks.shape != (q.shape[1],) or not sinks.is_floating_point():
+            raise ValueError(
+                f"paged_attention: sinks must be one float logit per query head, "
+                f"[{q.shape[1]}], got {sinks.dtype} {tuple(sinks.shape)}"
+            )
+        if sinks.device != q.device:
+            raise ValueError(f"paged_attention: sinks are on {sinks.device}, q on {q.device}")
+        sinks = sinks.to(torch.float32).contiguous()  # NOTE: no copy when already so
     if q.is_cuda:
         from lmengine.kernels.triton.paged_attention import paged_attention_triton
 
         return paged_attention_triton(
-            q, k_cache, v_cache, meta, scale, sliding_window, softcap, k_scale, v_scale
+            q, k_cache, v_cache, meta, scale, sliding_window, softcap, k_scale, v_scale, sinks=sinks
         )
     if not meta.groups:
         raise ValueError("paged_attention: metadata was built for another device than the CPU")
     return paged_attention_cpu(
-        q, k_cache, v_cache, meta, scale, sliding_window, softcap, k_scale, v_scale
+        q, k_cache, v_cache, meta, scale, sliding_window, softcap, k_scale, v_scale, sinks=sinks
     )

@@ -17,6 +17,10 @@ use tl.dot. head_dim is padded to the power of two HEAD_DIM (>= 16) with masks.
 With an int8 cache (QUANT) each K and V tile is loaded as int8 with its per-(slot, KV head)
 float32 scales from k_scale / v_scale, [num_blocks, block_size, num_kv_heads], and dequantized
 to q's dtype in registers before the dots.
+
+With learned sinks (HAS_SINKS: gpt-oss, one float32 logit per query head) each row's running
+max and sum start from its head's sink, as if it were one more key with a zero value, the way
+flash-attention kernels with sinks do: m = sink, l = exp(sink - m) = 1, acc = 0.
 """
 
 from __future__ import annotations
@@ -60,6 +64,7 @@ def _paged_attention_kernel(
     stride_ks_s,
     stride_vs_b,
     stride_vs_s,
+    sinks_ptr,  # [num_heads] float32 (HAS_SINKS only)
     head_dim,
     PAGE_SIZE: tl.constexpr,  # cache block size (tokens per block)
     GROUP_SIZE: tl.constexpr,  # query heads per kv head
@@ -71,6 +76,7 @@ def _paged_attention_kernel(
     HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     QUANT: tl.constexpr,  # int8 cache with scales
+    HAS_SINKS: tl.constexpr,  # a learned logit per query head joins the softmax
 ):
     seq = tl.program_id(0)
     q_block = tl.program_id(1)
@@ -98,8 +104,13 @@ def _paged_attention_kernel(
     q = tl.load(q_ptrs, mask=q_mask, other=0.0)  # [BLOCK_M, HEAD_DIM]
 
     # running max (finite start so fully masked padding rows never produce NaN), sum, output
-    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)  # [BLOCK_M]
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # [BLOCK_M]
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + head) * 1.4426950408889634  # [BLOCK_M], log2 units as s
+        m_i = tl.maximum(sink, -1.0e30)  # [BLOCK_M]
+        l_i = tl.exp2(sink - m_i)  # [BLOCK_M] 1, or 0 for a sink of -inf
+    else:
+        m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)  # [BLOCK_M]
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # [BLOCK_M]
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)  # [BLOCK_M, HEAD_DIM]
 
     # keys past the last query of this program are invisible to every row
@@ -174,6 +185,7 @@ def _check(
     meta: AttentionMetadata,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     op = "paged_attention_triton"
     if q.dim() != 3:
@@ -216,6 +228,16 @@ def _check(
                 )
             if t.stride(-1) != 1 or t.device != q.device:
                 raise ValueError(f"{op}: {name} must be on {q.device} with contiguous heads")
+    if sinks is not None and (
+        sinks.dtype != torch.float32
+        or sinks.shape != (num_heads,)
+        or sinks.stride(0) != 1
+        or sinks.device != q.device
+    ):
+        raise ValueError(
+            f"{op}: sinks must be float32 [{num_heads}] with unit stride on {q.device}, got "
+            f"{sinks.dtype} {tuple(sinks.shape)} on {sinks.device}"
+        )
     num_seqs = meta.q_lens.shape[0]
     if meta.block_tables.dim() != 2 or meta.block_tables.shape[0] != num_seqs:
         raise ValueError(
@@ -255,13 +277,15 @@ def paged_attention_triton(
     softcap: float | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    *,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [num_tokens, num_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size,
     num_kv_heads, head_dim], already holding this step's keys (int8 with k_scale, v_scale:
-    [num_blocks, block_size, num_kv_heads] float32). `sliding_window` and `softcap` as in
-    lmengine.kernels.paged_attention (None = off).
+    [num_blocks, block_size, num_kv_heads] float32). `sliding_window`, `softcap` and `sinks`
+    ([num_heads] float32) as in lmengine.kernels.paged_attention (None = off).
     Returns a new [num_tokens, num_heads, head_dim] tensor."""
-    _check(q, k_cache, v_cache, meta, k_scale, v_scale)
+    _check(q, k_cache, v_cache, meta, k_scale, v_scale, sinks)
     quant = k_scale is not None
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     num_seqs = meta.q_lens.shape[0]
@@ -302,6 +326,7 @@ def paged_attention_triton(
         k_scale.stride(1) if quant else 0,
         v_scale.stride(0) if quant else 0,
         v_scale.stride(1) if quant else 0,
+        q if sinks is None else sinks,  # NOTE: an unused pointer without sinks
         head_dim,
         PAGE_SIZE=meta.block_size,
         GROUP_SIZE=group_size,
@@ -313,6 +338,7 @@ def paged_attention_triton(
         HAS_WINDOW=sliding_window is not None,
         HAS_SOFTCAP=softcap is not None,
         QUANT=quant,
+        HAS_SINKS=sinks is not None,
         num_warps=4,
     )
     return out
