@@ -13,6 +13,12 @@ With `sinks` (gpt-oss: one learned float32 logit per query head) the softmax run
 visible keys' scores and that logit, which carries no value: out = sum_j exp(s_j) v_j /
 (sum_j exp(s_j) + exp(sink)). The sink is not soft-capped, and is seen whatever the window.
 
+Values may be narrower than keys, and may be a view into the key cache: DeepSeek's multi-head
+latent attention in its absorbed form is MQA over one latent cache [num_blocks, block_size, 1,
+kv_lora_rank + rope_dim] whose values are its first kv_lora_rank elements, passed as the view
+`v_cache = k_cache[..., :kv_lora_rank]`. The output then has the values' head dim. (So far
+the reference and the compiled kernels; the dispatch follows.)
+
 GQA is handled by grouping query heads per KV head, never by repeating the cache. Lengths,
 block tables and the CPU gather plans come from `AttentionMetadata`, built once per step
 (lmengine.kernels.attention_metadata).
@@ -53,32 +59,34 @@ def paged_attention_ref(
 ) -> torch.Tensor:
     """Plain per-sequence reference.
 
-    q: [num_tokens, num_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size,
-    num_kv_heads, head_dim] (int8 with k_scale, v_scale: [num_blocks, block_size,
-    num_kv_heads]); sinks: [num_heads] or None -> [num_tokens, num_heads, head_dim].
+    q: [num_tokens, num_heads, head_dim]; k_cache: [num_blocks, block_size, num_kv_heads,
+    head_dim]; v_cache: [num_blocks, block_size, num_kv_heads, v_head_dim], any strides (int8
+    with k_scale, v_scale: [num_blocks, block_size, num_kv_heads]); sinks: [num_heads] or None
+    -> [num_tokens, num_heads, v_head_dim].
     """
     if k_scale is not None:
         k_cache = dequantize_kv_ref(k_cache, k_scale)
         v_cache = dequantize_kv_ref(v_cache, v_scale)
-    out = torch.empty_like(q)
-    num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
-    bs = k_cache.shape[1]
+    num_tokens, num_heads = q.shape[:2]
+    num_kv_heads, bs = k_cache.shape[2], k_cache.shape[1]
+    out = q.new_empty(num_tokens, num_heads, v_cache.shape[3])
     for b in range(meta.q_lens.shape[0]):
         start, q_len, kv_len = (int(x[b]) for x in (meta.q_start_loc, meta.q_lens, meta.kv_lens))
-        slots = [int(meta.block_tables[b, j // bs]) * bs + j % bs for j in range(kv_len)]
-        k = k_cache.view(-1, *k_cache.shape[2:])[slots]  # [kv_len, num_kv_heads, head_dim]
-        v = v_cache.view(-1, *v_cache.shape[2:])[slots]
+        pos = torch.arange(kv_len)
+        blocks, offsets = meta.block_tables[b].long()[pos // bs], pos % bs
+        k = k_cache[blocks, offsets]  # [kv_len, num_kv_heads, head_dim]
+        v = v_cache[blocks, offsets]  # [kv_len, num_kv_heads, v_head_dim]
         k = k.repeat_interleave(num_heads // num_kv_heads, dim=1).transpose(0, 1).float()
         v = v.repeat_interleave(num_heads // num_kv_heads, dim=1).transpose(0, 1).float()
         qb = q[start : start + q_len].transpose(0, 1).float()  # [num_heads, q_len, head_dim]
         scores = qb @ k.transpose(1, 2) * scale  # [num_heads, q_len, kv_len]
         if softcap is not None:
             scores = torch.tanh(scores / softcap) * softcap
-        pos = torch.arange(kv_len - q_len, kv_len)[:, None]
+        q_pos = torch.arange(kv_len - q_len, kv_len)[:, None]
         keys = torch.arange(kv_len)[None, :]
-        hidden = keys > pos
+        hidden = keys > q_pos
         if sliding_window is not None:
-            hidden |= keys <= pos - sliding_window
+            hidden |= keys <= q_pos - sliding_window
         scores.masked_fill_(hidden, float("-inf"))
         if sinks is None:
             probs = scores.softmax(-1)
