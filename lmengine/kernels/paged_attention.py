@@ -16,8 +16,7 @@ visible keys' scores and that logit, which carries no value: out = sum_j exp(s_j
 Values may be narrower than keys, and may be a view into the key cache: DeepSeek's multi-head
 latent attention in its absorbed form is MQA over one latent cache [num_blocks, block_size, 1,
 kv_lora_rank + rope_dim] whose values are its first kv_lora_rank elements, passed as the view
-`v_cache = k_cache[..., :kv_lora_rank]`. The output then has the values' head dim. (So far
-the reference and the compiled kernels; the dispatch follows.)
+`v_cache = k_cache[..., :kv_lora_rank]`. The output then has the values' head dim.
 
 GQA is handled by grouping query heads per KV head, never by repeating the cache. Lengths,
 block tables and the CPU gather plans come from `AttentionMetadata`, built once per step
@@ -31,7 +30,7 @@ the CPU's matrix units) where the CPU has them, else to the gather + SDPA path i
 An int8 cache (k_cache.dtype == torch.int8) comes with `k_scale` / `v_scale`,
 [num_blocks, block_size, num_kv_heads] float32 (lmengine.kernels.kv_quant): the CPU path
 dequantizes the blocks it gathers, the compiled decode kernel and the Triton kernel dequantize
-each key and value row as they read it.
+each key and value row as they read it. Its values are as wide as its keys (no latent cache).
 """
 
 from __future__ import annotations
@@ -110,7 +109,8 @@ def _explicit_attention(
     """Attention with the scores in hand, for what SDPA cannot do: `softcap * tanh(scores /
     softcap)`, and a sink logit per row that joins the softmax with no value (its softmax then
     runs in float32). q: [n, kv_heads, rows, d]; k, v: [n, kv_heads, keys, d]; mask: additive,
-    broadcastable to [n, kv_heads, rows, keys]; sinks: [kv_heads, rows] float32."""
+    broadcastable to [n, kv_heads, rows, keys]; sinks: [kv_heads, rows] float32. v's last
+    dim may differ from d."""
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [n, kv_heads, rows, keys]
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
@@ -139,7 +139,9 @@ def paged_attention_cpu(
     apply, else one padded SDPA call per group (with a sink or a soft cap: the scores
     computed explicitly, _explicit_attention)."""
     num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2]
+    num_kv_heads, v_head_dim = k_cache.shape[2], v_cache.shape[3]
+    # MLA's values are the first elements of its latent keys: gathered once, with the keys
+    values_in_keys = _is_prefix_view(v_cache, k_cache)
     group_size = num_heads // num_kv_heads
     out = None
     quantized = k_scale is not None
@@ -165,7 +167,7 @@ def paged_attention_cpu(
             if plan.is_identity:
                 return res
             if out is None:
-                out = torch.empty_like(q)
+                out = q.new_empty(num_tokens, num_heads, v_head_dim)
             out[plan.out_tokens] = res
             continue
         prefill = None
@@ -173,14 +175,17 @@ def paged_attention_cpu(
             prefill = _prefill_kernel(q.dtype)
         if prefill is not None:
             if out is None:
-                out = torch.empty_like(q, memory_format=torch.contiguous_format)
+                out = q.new_empty(num_tokens, num_heads, v_head_dim)
             prefill(q, k_cache, v_cache, *plan.prefill_args, scale, out, sinks)  # writes its rows
             if plan.is_identity:
                 return out
             continue
         # [n * max_blocks, bs, kv_heads, d] -> [n, kv_heads, max_blocks * bs, d]
         kg = k_cache.index_select(0, plan.kv_blocks).view(n, -1, num_kv_heads, head_dim)
-        vg = v_cache.index_select(0, plan.kv_blocks).view(n, -1, num_kv_heads, head_dim)
+        if values_in_keys:
+            vg = kg[..., :v_head_dim]
+        else:
+            vg = v_cache.index_select(0, plan.kv_blocks).view(n, -1, num_kv_heads, v_head_dim)
         if quantized:
             # int8 blocks and their scales [n, max_blocks * bs, kv_heads] -> q's dtype
             ks = k_scale.index_select(0, plan.kv_blocks).view(n, -1, num_kv_heads)
@@ -194,7 +199,7 @@ def paged_attention_cpu(
             res = F.scaled_dot_product_attention(
                 qf, kg, vg, is_causal=True, scale=scale, enable_gqa=True
             )
-            res = res.transpose(1, 2).reshape(n * max_q, num_heads, head_dim)
+            res = res.transpose(1, 2).reshape(n * max_q, num_heads, v_head_dim)
         else:
             # [n, max_q, kv_heads, g, d] -> [n, kv_heads, g * max_q, d]
             qg = q if plan.is_identity else q[plan.q_index]
@@ -210,15 +215,25 @@ def paged_attention_cpu(
                     row_sinks = sinks.view(num_kv_heads, group_size, 1).expand(-1, -1, max_q)
                     row_sinks = row_sinks.reshape(num_kv_heads, group_size * max_q)
                 res = _explicit_attention(qg, kg, vg, mask, scale, softcap, row_sinks)
-            # [n, kv_heads, g, max_q, d] -> [n * max_q, heads, d]
-            res = res.view(n, num_kv_heads, group_size, max_q, head_dim).permute(0, 3, 1, 2, 4)
-            res = res.reshape(n * max_q, num_heads, head_dim)
+            # [n, kv_heads, g, max_q, dv] -> [n * max_q, heads, dv]
+            res = res.view(n, num_kv_heads, group_size, max_q, v_head_dim)
+            res = res.permute(0, 3, 1, 2, 4).reshape(n * max_q, num_heads, v_head_dim)
         if plan.is_identity:
             return res
         if out is None:
-            out = torch.empty_like(q)
+            out = q.new_empty(num_tokens, num_heads, v_head_dim)
         out[plan.out_tokens] = res if max_q == 1 else res[plan.out_rows]
     return out
+
+
+def _is_prefix_view(v_cache: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether v_cache is k_cache[..., :v_head_dim] (one latent cache, MLA)."""
+    return (
+        v_cache.data_ptr() == k_cache.data_ptr()
+        and v_cache.dtype == k_cache.dtype
+        and v_cache.shape[:3] == k_cache.shape[:3]
+        and v_cache.stride() == k_cache.stride()
+    )
 
 
 def _decode_kernel_for(q_dtype: torch.dtype, cache_dtype: torch.dtype):
@@ -265,13 +280,32 @@ def paged_attention(
     *,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q: [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, head_dim].
+    """q: [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, v_head_dim].
 
+    k_cache: [num_blocks, block_size, num_kv_heads, head_dim]; v_cache: [num_blocks,
+    block_size, num_kv_heads, v_head_dim], v_head_dim <= head_dim, its own cache or (MLA) the
+    view k_cache[..., :v_head_dim].
     `sliding_window` (keys per query, >= 1) and `softcap` (> 0) are optional; None = off.
     An int8 cache needs `k_scale` and `v_scale` ([num_blocks, block_size, num_kv_heads]).
     `sinks`: [num_heads] learned logits (gpt-oss), any float dtype, used as float32."""
     if (k_cache.dtype == torch.int8) != (k_scale is not None and v_scale is not None):
         raise ValueError("paged_attention: an int8 cache needs k_scale and v_scale, and only it")
+    if k_cache.dim() != 4 or v_cache.dim() != 4 or v_cache.shape[:3] != k_cache.shape[:3]:
+        raise ValueError(
+            "paged_attention: k_cache and v_cache must be [num_blocks, block_size, num_kv_heads, "
+            f"head_dim] alike, got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
+    if q.shape[2] != k_cache.shape[3] or v_cache.shape[3] > k_cache.shape[3]:
+        raise ValueError(
+            f"paged_attention: head dims q {q.shape[2]}, k {k_cache.shape[3]}, v "
+            f"{v_cache.shape[3]}: q's must equal k's, and v's must not exceed it"
+        )
+    if k_cache.dtype == torch.int8 and v_cache.shape[3] != k_cache.shape[3]:
+        raise ValueError(
+            "paged_attention: an int8 cache stores values as wide as keys; a latent (MLA) cache "
+            f"with {v_cache.shape[3]}-wide values in {k_cache.shape[3]}-wide keys needs a "
+            "float cache"
+        )
     if q.shape[1] % k_cache.shape[2] != 0:
         raise ValueError(
             f"paged_attention: {q.shape[1]} query heads not a multiple of "
