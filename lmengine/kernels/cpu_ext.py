@@ -41,7 +41,14 @@ _SOURCES = [
 # included by the sources: part of the build's hash
 _HEADERS = [
     _CSRC / name
-    for name in ("vec_math.h", "mkl_cblas.h", "bindings.h", "bf16_rows.h", "brgemm_tiles.h")
+    for name in (
+        "vec_math.h",
+        "mkl_cblas.h",
+        "bindings.h",
+        "bf16_rows.h",
+        "brgemm_tiles.h",
+        "paged_cache.h",
+    )
 ]
 # NOTE: -fno-trapping-math: without it GCC does not if-convert the clamps and the final select
 # of exp_approx (a float multiply it would have to speculate "could trap"), so every

@@ -9,6 +9,15 @@ With `sliding_window=W` query at position p sees only keys `p-W+1..p` (transform
 `kv_idx > q_idx - W`); with `softcap=c` the scaled scores become `c * tanh(scores / c)` before
 masking (Gemma 2). Both are per call, so alternating layers share one AttentionMetadata.
 
+With `sinks` (gpt-oss: one learned float32 logit per query head) the softmax runs over the
+visible keys' scores and that logit, which carries no value: out = sum_j exp(s_j) v_j /
+(sum_j exp(s_j) + exp(sink)). The sink is not soft-capped, and is seen whatever the window.
+
+Values may be narrower than keys, and may be a view into the key cache: DeepSeek's multi-head
+latent attention in its absorbed form is MQA over one latent cache [num_blocks, block_size, 1,
+kv_lora_rank + rope_dim] whose values are its first kv_lora_rank elements, passed as the view
+`v_cache = k_cache[..., :kv_lora_rank]`. The output then has the values' head dim.
+
 GQA is handled by grouping query heads per KV head, never by repeating the cache. Lengths,
 block tables and the CPU gather plans come from `AttentionMetadata`, built once per step
 (lmengine.kernels.attention_metadata).
@@ -21,7 +30,7 @@ the CPU's matrix units) where the CPU has them, else to the gather + SDPA path i
 An int8 cache (k_cache.dtype == torch.int8) comes with `k_scale` / `v_scale`,
 [num_blocks, block_size, num_kv_heads] float32 (lmengine.kernels.kv_quant): the CPU path
 dequantizes the blocks it gathers, the compiled decode kernel and the Triton kernel dequantize
-each key and value row as they read it.
+each key and value row as they read it. Its values are as wide as its keys (no latent cache).
 """
 
 from __future__ import annotations
@@ -44,55 +53,73 @@ def paged_attention_ref(
     softcap: float | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    *,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Plain per-sequence reference.
 
-    q: [num_tokens, num_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size,
-    num_kv_heads, head_dim] (int8 with k_scale, v_scale: [num_blocks, block_size,
-    num_kv_heads]) -> [num_tokens, num_heads, head_dim].
+    q: [num_tokens, num_heads, head_dim]; k_cache: [num_blocks, block_size, num_kv_heads,
+    head_dim]; v_cache: [num_blocks, block_size, num_kv_heads, v_head_dim], any strides (int8
+    with k_scale, v_scale: [num_blocks, block_size, num_kv_heads]); sinks: [num_heads] or None
+    -> [num_tokens, num_heads, v_head_dim].
     """
     if k_scale is not None:
         k_cache = dequantize_kv_ref(k_cache, k_scale)
         v_cache = dequantize_kv_ref(v_cache, v_scale)
-    out = torch.empty_like(q)
-    num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
-    bs = k_cache.shape[1]
+    num_tokens, num_heads = q.shape[:2]
+    num_kv_heads, bs = k_cache.shape[2], k_cache.shape[1]
+    out = q.new_empty(num_tokens, num_heads, v_cache.shape[3])
     for b in range(meta.q_lens.shape[0]):
         start, q_len, kv_len = (int(x[b]) for x in (meta.q_start_loc, meta.q_lens, meta.kv_lens))
-        slots = [int(meta.block_tables[b, j // bs]) * bs + j % bs for j in range(kv_len)]
-        k = k_cache.view(-1, *k_cache.shape[2:])[slots]  # [kv_len, num_kv_heads, head_dim]
-        v = v_cache.view(-1, *v_cache.shape[2:])[slots]
+        pos = torch.arange(kv_len)
+        blocks, offsets = meta.block_tables[b].long()[pos // bs], pos % bs
+        k = k_cache[blocks, offsets]  # [kv_len, num_kv_heads, head_dim]
+        v = v_cache[blocks, offsets]  # [kv_len, num_kv_heads, v_head_dim]
         k = k.repeat_interleave(num_heads // num_kv_heads, dim=1).transpose(0, 1).float()
         v = v.repeat_interleave(num_heads // num_kv_heads, dim=1).transpose(0, 1).float()
         qb = q[start : start + q_len].transpose(0, 1).float()  # [num_heads, q_len, head_dim]
         scores = qb @ k.transpose(1, 2) * scale  # [num_heads, q_len, kv_len]
         if softcap is not None:
             scores = torch.tanh(scores / softcap) * softcap
-        pos = torch.arange(kv_len - q_len, kv_len)[:, None]
+        q_pos = torch.arange(kv_len - q_len, kv_len)[:, None]
         keys = torch.arange(kv_len)[None, :]
-        hidden = keys > pos
+        hidden = keys > q_pos
         if sliding_window is not None:
-            hidden |= keys <= pos - sliding_window
+            hidden |= keys <= q_pos - sliding_window
         scores.masked_fill_(hidden, float("-inf"))
-        probs = scores.softmax(-1)
+        if sinks is None:
+            probs = scores.softmax(-1)
+        else:
+            # one more logit per head, then dropped: it only adds to the denominator
+            sink = sinks.float().view(num_heads, 1, 1).expand(num_heads, q_len, 1)
+            probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
         out[start : start + q_len] = (probs @ v).transpose(0, 1).to(q.dtype)
     return out
 
 
-def _softcapped_attention(
+def _explicit_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     mask: torch.Tensor,
     scale: float,
-    softcap: float,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
 ) -> torch.Tensor:
-    """SDPA with `softcap * tanh(scores / softcap)` (SDPA itself cannot cap).
-    q: [n, kv_heads, rows, d]; k, v: [n, kv_heads, keys, d]; mask: additive, broadcastable
-    to [n, kv_heads, rows, keys]."""
+    """Attention with the scores in hand, for what SDPA cannot do: `softcap * tanh(scores /
+    softcap)`, and a sink logit per row that joins the softmax with no value (its softmax then
+    runs in float32). q: [n, kv_heads, rows, d]; k, v: [n, kv_heads, keys, d]; mask: additive,
+    broadcastable to [n, kv_heads, rows, keys]; sinks: [kv_heads, rows] float32. v's last
+    dim may differ from d."""
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [n, kv_heads, rows, keys]
-    scores = torch.tanh(scores / softcap) * softcap + mask
-    return torch.matmul(scores.softmax(-1), v)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores + mask
+    if sinks is None:
+        return torch.matmul(scores.softmax(-1), v)
+    sink = sinks[None, :, :, None].expand(scores.shape[0], -1, -1, 1)  # [n, kv_heads, rows, 1]
+    probs = torch.cat([scores.float(), sink], dim=-1).softmax(-1)[..., :-1]
+    return torch.matmul(probs.to(v.dtype), v)
 
 
 def paged_attention_cpu(
@@ -105,10 +132,16 @@ def paged_attention_cpu(
     softcap: float | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    *,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Vectorised CPU path: one padded SDPA call per group (decodes, prefills)."""
+    """Vectorised CPU path, group by group (decodes, prefills): the compiled kernels where they
+    apply, else one padded SDPA call per group (with a sink or a soft cap: the scores
+    computed explicitly, _explicit_attention)."""
     num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2]
+    num_kv_heads, v_head_dim = k_cache.shape[2], v_cache.shape[3]
+    # MLA's values are the first elements of its latent keys: gathered once, with the keys
+    values_in_keys = _is_prefix_view(v_cache, k_cache)
     group_size = num_heads // num_kv_heads
     out = None
     quantized = k_scale is not None
@@ -128,13 +161,13 @@ def paged_attention_cpu(
             tables, kv_lens = plan.decode_tables, plan.decode_kv_lens
             window, cap = sliding_window or 0, softcap or 0.0  # 0: none
             caches = (k_cache, v_cache, k_scale, v_scale) if quantized else (k_cache, v_cache)
-            res = kernel(qd, *caches, tables, kv_lens, scale, window, cap)
+            res = kernel(qd, *caches, tables, kv_lens, scale, window, cap, sinks)
             if widen:
                 res = res.to(q.dtype)
             if plan.is_identity:
                 return res
             if out is None:
-                out = torch.empty_like(q)
+                out = q.new_empty(num_tokens, num_heads, v_head_dim)
             out[plan.out_tokens] = res
             continue
         prefill = None
@@ -142,47 +175,65 @@ def paged_attention_cpu(
             prefill = _prefill_kernel(q.dtype)
         if prefill is not None:
             if out is None:
-                out = torch.empty_like(q, memory_format=torch.contiguous_format)
-            prefill(q, k_cache, v_cache, *plan.prefill_args, scale, out)  # writes its rows
+                out = q.new_empty(num_tokens, num_heads, v_head_dim)
+            prefill(q, k_cache, v_cache, *plan.prefill_args, scale, out, sinks)  # writes its rows
             if plan.is_identity:
                 return out
             continue
         # [n * max_blocks, bs, kv_heads, d] -> [n, kv_heads, max_blocks * bs, d]
         kg = k_cache.index_select(0, plan.kv_blocks).view(n, -1, num_kv_heads, head_dim)
-        vg = v_cache.index_select(0, plan.kv_blocks).view(n, -1, num_kv_heads, head_dim)
+        if values_in_keys:
+            vg = kg[..., :v_head_dim]
+        else:
+            vg = v_cache.index_select(0, plan.kv_blocks).view(n, -1, num_kv_heads, v_head_dim)
         if quantized:
             # int8 blocks and their scales [n, max_blocks * bs, kv_heads] -> q's dtype
             ks = k_scale.index_select(0, plan.kv_blocks).view(n, -1, num_kv_heads)
             vs = v_scale.index_select(0, plan.kv_blocks).view(n, -1, num_kv_heads)
             kg, vg = dequantize_kv(kg, ks, q.dtype), dequantize_kv(vg, vs, q.dtype)
         kg, vg = kg.transpose(1, 2), vg.transpose(1, 2)
-        if plan.is_fresh and sliding_window is None and softcap is None:
+        if plan.is_fresh and sliding_window is None and softcap is None and sinks is None:
             # NOTE: whole prompts, right-padded: top-left causal masking is exact for the real
             # rows, and SDPA then skips the masked half instead of reading a dense mask.
             qf = q[plan.q_index].transpose(1, 2)  # [n, heads, max_q, d]
             res = F.scaled_dot_product_attention(
                 qf, kg, vg, is_causal=True, scale=scale, enable_gqa=True
             )
-            res = res.transpose(1, 2).reshape(n * max_q, num_heads, head_dim)
+            res = res.transpose(1, 2).reshape(n * max_q, num_heads, v_head_dim)
         else:
             # [n, max_q, kv_heads, g, d] -> [n, kv_heads, g * max_q, d]
             qg = q if plan.is_identity else q[plan.q_index]
             qg = qg.view(n, max_q, num_kv_heads, group_size, head_dim)
             qg = qg.permute(0, 2, 3, 1, 4).reshape(n, num_kv_heads, group_size * max_q, head_dim)
             mask = plan.mask_for(group_size, q.dtype, sliding_window)
-            if softcap is None:
+            if softcap is None and sinks is None:
                 res = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=scale)
             else:
-                res = _softcapped_attention(qg, kg, vg, mask, scale, softcap)
-            # [n, kv_heads, g, max_q, d] -> [n * max_q, heads, d]
-            res = res.view(n, num_kv_heads, group_size, max_q, head_dim).permute(0, 3, 1, 2, 4)
-            res = res.reshape(n * max_q, num_heads, head_dim)
+                # rows ordered (head in group, query), as qg's
+                row_sinks = None
+                if sinks is not None:
+                    row_sinks = sinks.view(num_kv_heads, group_size, 1).expand(-1, -1, max_q)
+                    row_sinks = row_sinks.reshape(num_kv_heads, group_size * max_q)
+                res = _explicit_attention(qg, kg, vg, mask, scale, softcap, row_sinks)
+            # [n, kv_heads, g, max_q, dv] -> [n * max_q, heads, dv]
+            res = res.view(n, num_kv_heads, group_size, max_q, v_head_dim)
+            res = res.permute(0, 3, 1, 2, 4).reshape(n * max_q, num_heads, v_head_dim)
         if plan.is_identity:
             return res
         if out is None:
-            out = torch.empty_like(q)
+            out = q.new_empty(num_tokens, num_heads, v_head_dim)
         out[plan.out_tokens] = res if max_q == 1 else res[plan.out_rows]
     return out
+
+
+def _is_prefix_view(v_cache: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether v_cache is k_cache[..., :v_head_dim] (one latent cache, MLA)."""
+    return (
+        v_cache.data_ptr() == k_cache.data_ptr()
+        and v_cache.dtype == k_cache.dtype
+        and v_cache.shape[:3] == k_cache.shape[:3]
+        and v_cache.stride() == k_cache.stride()
+    )
 
 
 def _decode_kernel_for(q_dtype: torch.dtype, cache_dtype: torch.dtype):
@@ -226,13 +277,35 @@ def paged_attention(
     softcap: float | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    *,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q: [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, head_dim].
+    """q: [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, v_head_dim].
 
+    k_cache: [num_blocks, block_size, num_kv_heads, head_dim]; v_cache: [num_blocks,
+    block_size, num_kv_heads, v_head_dim], v_head_dim <= head_dim, its own cache or (MLA) the
+    view k_cache[..., :v_head_dim].
     `sliding_window` (keys per query, >= 1) and `softcap` (> 0) are optional; None = off.
-    An int8 cache needs `k_scale` and `v_scale` ([num_blocks, block_size, num_kv_heads])."""
+    An int8 cache needs `k_scale` and `v_scale` ([num_blocks, block_size, num_kv_heads]).
+    `sinks`: [num_heads] learned logits (gpt-oss), any float dtype, used as float32."""
     if (k_cache.dtype == torch.int8) != (k_scale is not None and v_scale is not None):
         raise ValueError("paged_attention: an int8 cache needs k_scale and v_scale, and only it")
+    if k_cache.dim() != 4 or v_cache.dim() != 4 or v_cache.shape[:3] != k_cache.shape[:3]:
+        raise ValueError(
+            "paged_attention: k_cache and v_cache must be [num_blocks, block_size, num_kv_heads, "
+            f"head_dim] alike, got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
+    if q.shape[2] != k_cache.shape[3] or v_cache.shape[3] > k_cache.shape[3]:
+        raise ValueError(
+            f"paged_attention: head dims q {q.shape[2]}, k {k_cache.shape[3]}, v "
+            f"{v_cache.shape[3]}: q's must equal k's, and v's must not exceed it"
+        )
+    if k_cache.dtype == torch.int8 and v_cache.shape[3] != k_cache.shape[3]:
+        raise ValueError(
+            "paged_attention: an int8 cache stores values as wide as keys; a latent (MLA) cache "
+            f"with {v_cache.shape[3]}-wide values in {k_cache.shape[3]}-wide keys needs a "
+            "float cache"
+        )
     if q.shape[1] % k_cache.shape[2] != 0:
         raise ValueError(
             f"paged_attention: {q.shape[1]} query heads not a multiple of "
@@ -242,14 +315,23 @@ def paged_attention(
         raise ValueError(f"paged_attention: sliding_window must be >= 1, got {sliding_window}")
     if softcap is not None and softcap <= 0:
         raise ValueError(f"paged_attention: softcap must be > 0, got {softcap}")
+    if sinks is not None:
+        if sinks.shape != (q.shape[1],) or not sinks.is_floating_point():
+            raise ValueError(
+                f"paged_attention: sinks must be one float logit per query head, "
+                f"[{q.shape[1]}], got {sinks.dtype} {tuple(sinks.shape)}"
+            )
+        if sinks.device != q.device:
+            raise ValueError(f"paged_attention: sinks are on {sinks.device}, q on {q.device}")
+        sinks = sinks.to(torch.float32).contiguous()  # NOTE: no copy when already so
     if q.is_cuda:
         from lmengine.kernels.triton.paged_attention import paged_attention_triton
 
         return paged_attention_triton(
-            q, k_cache, v_cache, meta, scale, sliding_window, softcap, k_scale, v_scale
+            q, k_cache, v_cache, meta, scale, sliding_window, softcap, k_scale, v_scale, sinks=sinks
         )
     if not meta.groups:
         raise ValueError("paged_attention: metadata was built for another device than the CPU")
     return paged_attention_cpu(
-        q, k_cache, v_cache, meta, scale, sliding_window, softcap, k_scale, v_scale
+        q, k_cache, v_cache, meta, scale, sliding_window, softcap, k_scale, v_scale, sinks=sinks
     )

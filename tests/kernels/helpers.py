@@ -46,11 +46,32 @@ def make_paged_batch(
     return q, k_cache, v_cache, meta, dense_k, dense_v
 
 
+def make_latent_batch(
+    q_lens: list[int],
+    kv_lens: list[int],
+    num_heads: int,
+    head_dim: int,
+    v_head_dim: int,
+    block_size: int,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+):
+    """make_paged_batch for one latent cache (DeepSeek's MLA, absorbed form): one KV head of
+    head_dim, whose values are the first v_head_dim elements of its keys. v_cache is the view
+    k_cache[..., :v_head_dim] (non-contiguous), dense_v[b] the same slice of dense_k[b]."""
+    q, k_cache, _, meta, dense_k, _ = make_paged_batch(
+        q_lens, kv_lens, num_heads, 1, head_dim, block_size, dtype, seed
+    )
+    v_cache = k_cache[..., :v_head_dim]  # [num_blocks, block_size, 1, v_head_dim]
+    return q, k_cache, v_cache, meta, dense_k, [k[..., :v_head_dim] for k in dense_k]
+
+
 def dense_causal_attention(
-    q, dense_k, dense_v, q_lens, kv_lens, scale, sliding_window=None, softcap=None
+    q, dense_k, dense_v, q_lens, kv_lens, scale, sliding_window=None, softcap=None, sinks=None
 ):
     """Independent dense reference: per sequence, plain softmax attention in float64; a query
-    at position p sees keys (p - sliding_window, p]; scores are soft-capped before masking."""
+    at position p sees keys (p - sliding_window, p]; scores are soft-capped before masking. A
+    sink (sinks: [heads]) adds exp(sink) to each head's softmax denominator."""
     out, start = [], 0
     for b, (ql, kl) in enumerate(zip(q_lens, kv_lens)):
         qb = q[start : start + ql].double()
@@ -66,5 +87,12 @@ def dense_causal_attention(
         if sliding_window is not None:
             visible &= torch.arange(kl)[None, :] > pos - sliding_window
         scores = scores.masked_fill(~visible, float("-inf"))
-        out.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), v))
+        if sinks is None:
+            probs = scores.softmax(-1)
+        else:
+            sink = sinks.double()[:, None, None]  # [heads, 1, 1]
+            top = torch.maximum(scores.amax(-1, keepdim=True), sink)
+            weights = (scores - top).exp()
+            probs = weights / (weights.sum(-1, keepdim=True) + (sink - top).exp())
+        out.append(torch.einsum("hqk,khd->qhd", probs, v))
     return torch.cat(out)

@@ -190,7 +190,7 @@ def test_bf16_prefill_kernel_rejects_bad_input(bf16_ext):
     out = torch.empty_like(q)
     with pytest.raises(RuntimeError, match="q must be bfloat16"):
         bf16_ext.paged_prefill_attention_bf16(q.float(), kc, vc, *args, 1.0, out)
-    with pytest.raises(RuntimeError, match="caches must be"):
+    with pytest.raises(RuntimeError, match="k_cache must be a bfloat16"):
         bf16_ext.paged_prefill_attention_bf16(q, kc.float(), vc.float(), *args, 1.0, out)
     with pytest.raises(RuntimeError, match="out must be"):
         bf16_ext.paged_prefill_attention_bf16(q, kc, vc, *args, 1.0, out.float())

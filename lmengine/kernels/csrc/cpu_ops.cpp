@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "bindings.h"
+#include "paged_cache.h"
 #include "vec_math.h"
 
 namespace {
@@ -57,17 +58,15 @@ template <typename Cache>
 struct NextRows {
   const Cache* k = nullptr;
   const Cache* v = nullptr;
-  int64_t num_keys = 0;  // rows to prefetch, `stride` elements apart
-  int64_t stride = 0;
-  int64_t row_elems = 0;  // elements of one row (one KV head)
+  int64_t num_keys = 0;  // rows to prefetch, `k_stride` / `v_stride` elements apart
+  int64_t k_stride = 0, v_stride = 0;
+  int64_t k_elems = 0, v_elems = 0;  // elements of one row (one KV head); 0: none
 
   inline void prefetch(int64_t t) const {
     if (t >= num_keys) return;
     constexpr int64_t kLine = 64 / sizeof(Cache);
-    for (int64_t i = 0; i < row_elems; i += kLine) {
-      prefetch_line(k + t * stride + i);
-      prefetch_line(v + t * stride + i);
-    }
+    for (int64_t i = 0; i < k_elems; i += kLine) prefetch_line(k + t * k_stride + i);
+    for (int64_t i = 0; i < v_elems; i += kLine) prefetch_line(v + t * v_stride + i);
   }
 };
 
@@ -145,34 +144,37 @@ inline void block_values(const float* v_block, int64_t stride, int64_t num_keys,
 }
 
 // One block of keys for the `group` query heads of one KV head, online softmax. kDim > 0 fixes
-// head_dim at compile time (64, 128: the loops over it unroll into registers); 0 reads `dim`.
-// Each key row and value row is loaded once for the whole group: scores for every (head,
-// key) first, then the block's exponentials, then one pass over the values.
+// both head dims at compile time (64, 128: the loops over them unroll into registers); 0 reads
+// `k_dim_rt` (queries, keys) and `v_dim_rt` (values, accumulators; <= k_dim_rt, e.g. MLA's
+// latent values inside its keys). Key rows are `k_stride` elements apart, value rows
+// `v_stride`. Each key row and value row is loaded once for the whole group: scores for every
+// (head, key) first, then the block's exponentials, then one pass over the values.
 template <int64_t kDim, typename Cache>
 inline void attend_block(const float* q_group, const float* k_block, const float* v_block,
-                         int64_t stride, int64_t num_keys, int64_t group, int64_t dim_rt,
-                         int64_t block_size, float fscale, float fcap, float* scores,
-                         float* acc, float* run_max, float* run_sum,
+                         int64_t k_stride, int64_t v_stride, int64_t num_keys, int64_t group,
+                         int64_t k_dim_rt, int64_t v_dim_rt, int64_t block_size, float fscale,
+                         float fcap, float* scores, float* acc, float* run_max, float* run_sum,
                          const NextRows<Cache>& next) {
-  const int64_t dim = kDim > 0 ? kDim : dim_rt;
+  const int64_t k_dim = kDim > 0 ? kDim : k_dim_rt;
+  const int64_t v_dim = kDim > 0 ? kDim : v_dim_rt;
   if constexpr (kDim > 0) {
-    block_scores<kDim>(q_group, k_block, stride, num_keys, group, block_size, fscale, fcap,
+    block_scores<kDim>(q_group, k_block, k_stride, num_keys, group, block_size, fscale, fcap,
                        scores, next);
     for (int64_t t = num_keys; t < next.num_keys; ++t) next.prefetch(t);  // a longer next block
   } else {
     for (int64_t t = 0; t < next.num_keys; ++t) next.prefetch(t);
     for (int64_t g = 0; g < group; ++g) {
-      const float* qg = q_group + g * dim;
+      const float* qg = q_group + g * k_dim;
       float* sg = scores + g * block_size;
       int64_t t = 0;
       for (; t + 4 <= num_keys; t += 4) {  // four keys at once: independent sums, more ILP
-        const float* k0 = k_block + t * stride;
-        const float* k1 = k0 + stride;
-        const float* k2 = k1 + stride;
-        const float* k3 = k2 + stride;
+        const float* k0 = k_block + t * k_stride;
+        const float* k1 = k0 + k_stride;
+        const float* k2 = k1 + k_stride;
+        const float* k3 = k2 + k_stride;
         float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
 #pragma omp simd reduction(+ : s0, s1, s2, s3)
-        for (int64_t i = 0; i < dim; ++i) {
+        for (int64_t i = 0; i < k_dim; ++i) {
           s0 += qg[i] * k0[i];
           s1 += qg[i] * k1[i];
           s2 += qg[i] * k2[i];
@@ -184,10 +186,10 @@ inline void attend_block(const float* q_group, const float* k_block, const float
         sg[t + 3] = s3;
       }
       for (; t < num_keys; ++t) {
-        const float* kt = k_block + t * stride;
+        const float* kt = k_block + t * k_stride;
         float s = 0.f;
 #pragma omp simd reduction(+ : s)
-        for (int64_t i = 0; i < dim; ++i) s += qg[i] * kt[i];
+        for (int64_t i = 0; i < k_dim; ++i) s += qg[i] * kt[i];
         sg[t] = s;
       }
       for (t = 0; t < num_keys; ++t) {
@@ -209,46 +211,65 @@ inline void attend_block(const float* q_group, const float* k_block, const float
       sg[t] = exp_approx(sg[t] - new_max);
       block_sum += sg[t];
     }
-    float* ag = acc + g * dim;
+    float* ag = acc + g * v_dim;
 #pragma omp simd
-    for (int64_t i = 0; i < dim; ++i) ag[i] *= correction;
+    for (int64_t i = 0; i < v_dim; ++i) ag[i] *= correction;
     run_sum[g] = run_sum[g] * correction + block_sum;
     run_max[g] = new_max;
   }
   if constexpr (kDim > 0) {
-    block_values<kDim>(v_block, stride, num_keys, group, block_size, scores, acc);
+    block_values<kDim>(v_block, v_stride, num_keys, group, block_size, scores, acc);
   } else {
     for (int64_t t = 0; t < num_keys; ++t) {
-      const float* vt = v_block + t * stride;
+      const float* vt = v_block + t * v_stride;
       for (int64_t g = 0; g < group; ++g) {
         const float p = scores[g * block_size + t];
-        float* ag = acc + g * dim;
+        float* ag = acc + g * v_dim;
 #pragma omp simd
-        for (int64_t i = 0; i < dim; ++i) ag[i] += p * vt[i];
+        for (int64_t i = 0; i < v_dim; ++i) ag[i] += p * vt[i];
       }
     }
   }
 }
 
+// The shapes of one decode call. Queries and keys are k_dim wide, values and outputs v_dim
+// (v_dim <= k_dim: MLA's values are the first v_dim elements of its latent keys). The caches'
+// (slot, KV head) rows start k_pitch / v_pitch elements apart (cache_row_pitch).
+struct DecodeShape {
+  int64_t num_seqs, num_heads, num_kv_heads, k_dim, v_dim, k_pitch, v_pitch, block_size,
+      max_blocks;
+  bool v_in_k;  // the values are the first v_dim elements of the keys' rows (values_in_keys)
+};
+
 // The decode loop, for a float32 cache (Cache = float, no scales), an int8 cache (Cache =
 // int8_t, one float32 scale per (slot, KV head) in k_scale / v_scale) or a bfloat16 cache
 // (Cache = at::BFloat16, no scales). The int8 and bfloat16 variants convert each block's K and V
 // rows of one KV head once into a small float buffer (it stays in L1) and then run the float32
-// loop on it, so the GQA group's query heads share the conversion; the float32 variant reads
-// the cache directly. Queries and outputs are float32, or bfloat16 (Query = at::BFloat16: each
+// loop on it, so the GQA group's query heads share the conversion (values inside the keys' rows
+// are read from the converted keys, not converted again); the float32 variant reads the cache
+// directly. Queries and outputs are float32, or bfloat16 (Query = at::BFloat16: each
 // task widens its query rows exactly and rounds its outputs to nearest even, as `.float()` before
 // and `.to(torch.bfloat16)` after the float32 kernel would, without those two passes).
+// `sinks_ptr`: a learned logit per query head (gpt-oss), or nullptr. Each head's online softmax
+// starts from its sink as if it were one more key with a zero value: running maximum = the
+// sink, running sum = exp(0) = 1; the keys' blocks then rescale it as they go.
 template <typename Cache, int64_t kDim, typename Query = float>
 void decode_loop(const Query* q_ptr, const Cache* k_ptr, const Cache* v_ptr, const float* ks_ptr,
-                 const float* vs_ptr, const int32_t* table_ptr, const int32_t* len_ptr,
-                 Query* out_ptr, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
-                 int64_t head_dim, int64_t block_size, int64_t max_blocks, float fscale,
+                 const float* vs_ptr, const float* sinks_ptr, const int32_t* table_ptr,
+                 const int32_t* len_ptr, Query* out_ptr, const DecodeShape& shape, float fscale,
                  float fcap, int64_t sliding_window) {
   constexpr bool kQuant = std::is_same<Cache, int8_t>::value;
   constexpr bool kConvert = !std::is_same<Cache, float>::value;  // through the float buffers
   constexpr bool kWideQuery = !std::is_same<Query, float>::value;
+  const int64_t num_seqs = shape.num_seqs, num_heads = shape.num_heads;
+  const int64_t num_kv_heads = shape.num_kv_heads, block_size = shape.block_size;
+  const int64_t max_blocks = shape.max_blocks, k_dim = shape.k_dim, v_dim = shape.v_dim;
+  const int64_t k_pitch = shape.k_pitch, v_pitch = shape.v_pitch;
+  // NOTE: int8 values have their own scales: converted apart even from the same memory
+  const bool v_in_k = shape.v_in_k && !kQuant;
   const int64_t group = num_heads / num_kv_heads;
-  const int64_t token_stride = num_kv_heads * head_dim;  // between tokens of one block
+  // between tokens of one block
+  const int64_t k_token_stride = num_kv_heads * k_pitch, v_token_stride = num_kv_heads * v_pitch;
   // A task serves all KV heads of a sequence when there are sequences enough for the threads:
   // a token's rows of every KV head are adjacent, so a block is then read as one contiguous
   // run instead of one strided pass per KV head. Few sequences: one KV head per task.
@@ -257,11 +278,11 @@ void decode_loop(const Query* q_ptr, const Cache* k_ptr, const Cache* v_ptr, con
   const int64_t job_heads = heads_per_job * group;  // query heads of one task
   at::parallel_for(0, num_seqs * jobs_per_seq, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(group * block_size);
-    std::vector<float> acc(job_heads * head_dim);
+    std::vector<float> acc(job_heads * v_dim);
     std::vector<float> run_max(job_heads), run_sum(job_heads);
-    std::vector<float> k_buf(kConvert ? block_size * head_dim : 0);
-    std::vector<float> v_buf(kConvert ? block_size * head_dim : 0);
-    std::vector<float> q_buf(kWideQuery ? job_heads * head_dim : 0);  // the task's query rows
+    std::vector<float> k_buf(kConvert ? block_size * k_dim : 0);
+    std::vector<float> v_buf(kConvert && !v_in_k ? block_size * v_dim : 0);
+    std::vector<float> q_buf(kWideQuery ? job_heads * k_dim : 0);  // the task's query rows
     // keys first_key(seq) .. kv_len - 1 are visible
     auto first_key_of = [&](int64_t seq) {
       return sliding_window > 0 ? std::max<int64_t>(0, len_ptr[seq] - sliding_window) : int64_t{0};
@@ -271,12 +292,18 @@ void decode_loop(const Query* q_ptr, const Cache* k_ptr, const Cache* v_ptr, con
       const int64_t kv_len = len_ptr[seq];
       TORCH_CHECK(kv_len > 0 && kv_len <= max_blocks * block_size, "kv_len out of range");
       std::fill(acc.begin(), acc.end(), 0.f);
-      std::fill(run_max.begin(), run_max.end(), -std::numeric_limits<float>::infinity());
-      std::fill(run_sum.begin(), run_sum.end(), 0.f);
+      if (sinks_ptr != nullptr) {
+        std::copy(sinks_ptr + kv_first * group, sinks_ptr + kv_first * group + job_heads,
+                  run_max.begin());
+        std::fill(run_sum.begin(), run_sum.end(), 1.f);
+      } else {
+        std::fill(run_max.begin(), run_max.end(), -std::numeric_limits<float>::infinity());
+        std::fill(run_sum.begin(), run_sum.end(), 0.f);
+      }
       const int64_t first_key = first_key_of(seq);
-      const Query* q_job = q_ptr + (seq * num_heads + kv_first * group) * head_dim;
+      const Query* q_job = q_ptr + (seq * num_heads + kv_first * group) * k_dim;
       if constexpr (kWideQuery) {
-        for (int64_t i = 0; i < job_heads * head_dim; ++i) q_buf[i] = static_cast<float>(q_job[i]);
+        for (int64_t i = 0; i < job_heads * k_dim; ++i) q_buf[i] = static_cast<float>(q_job[i]);
       }
       for (int64_t blk = first_key / block_size; blk * block_size < kv_len; ++blk) {
         const int64_t block_id = table_ptr[seq * max_blocks + blk];
@@ -301,103 +328,111 @@ void decode_loop(const Query* q_ptr, const Cache* k_ptr, const Cache* v_ptr, con
           const int64_t row = (block_id * block_size + first) * num_kv_heads + kv_head;
           NextRows<Cache> next;
           if (next_keys > 0) {
-            next = {k_ptr + (next_row + h) * head_dim, v_ptr + (next_row + h) * head_dim,
-                    next_keys, token_stride, head_dim};
+            next = {k_ptr + (next_row + h) * k_pitch, v_ptr + (next_row + h) * v_pitch,
+                    next_keys, k_token_stride, v_token_stride, k_dim, v_in_k ? 0 : v_dim};
           }
           const float* k_block;
           const float* v_block;
-          int64_t stride;  // between the keys of k_block / v_block
+          int64_t k_stride, v_stride;  // between the keys of k_block / v_block
           if constexpr (kConvert) {
             for (int64_t t = 0; t < num_keys; ++t) {
               next.prefetch(t);
               const int64_t r = row + t * num_kv_heads;  // (slot, KV head) row
-              const Cache* kt = k_ptr + r * head_dim;
-              const Cache* vt = v_ptr + r * head_dim;
-              float* kd = k_buf.data() + t * head_dim;
-              float* vd = v_buf.data() + t * head_dim;
+              const Cache* kt = k_ptr + r * k_pitch;
+              const Cache* vt = v_ptr + r * v_pitch;
+              float* kd = k_buf.data() + t * k_dim;
+              float* vd = v_in_k ? nullptr : v_buf.data() + t * v_dim;
               if constexpr (kQuant) {
                 const float ks = ks_ptr[r], vs = vs_ptr[r];
 #pragma omp simd
-                for (int64_t i = 0; i < head_dim; ++i) {
-                  kd[i] = static_cast<float>(kt[i]) * ks;
-                  vd[i] = static_cast<float>(vt[i]) * vs;
-                }
+                for (int64_t i = 0; i < k_dim; ++i) kd[i] = static_cast<float>(kt[i]) * ks;
+#pragma omp simd
+                for (int64_t i = 0; i < v_dim; ++i) vd[i] = static_cast<float>(vt[i]) * vs;
               } else {  // bfloat16: the high half of a float32
                 const uint16_t* kh = reinterpret_cast<const uint16_t*>(kt);
                 const uint16_t* vh = reinterpret_cast<const uint16_t*>(vt);
 #pragma omp simd
-                for (int64_t i = 0; i < head_dim; ++i) {
+                for (int64_t i = 0; i < k_dim; ++i) {
                   const uint32_t kb = static_cast<uint32_t>(kh[i]) << 16;
-                  const uint32_t vb = static_cast<uint32_t>(vh[i]) << 16;
                   std::memcpy(kd + i, &kb, sizeof(float));
-                  std::memcpy(vd + i, &vb, sizeof(float));
+                }
+                if (!v_in_k) {
+#pragma omp simd
+                  for (int64_t i = 0; i < v_dim; ++i) {
+                    const uint32_t vb = static_cast<uint32_t>(vh[i]) << 16;
+                    std::memcpy(vd + i, &vb, sizeof(float));
+                  }
                 }
               }
             }
             for (int64_t t = num_keys; t < next.num_keys; ++t) next.prefetch(t);
             next = {};  // requested: attend_block reads the float buffers
             k_block = k_buf.data();
-            v_block = v_buf.data();
-            stride = head_dim;
+            v_block = v_in_k ? k_buf.data() : v_buf.data();
+            k_stride = k_dim;
+            v_stride = v_in_k ? k_dim : v_dim;
           } else {
-            k_block = k_ptr + row * head_dim;
-            v_block = v_ptr + row * head_dim;
-            stride = token_stride;
+            k_block = k_ptr + row * k_pitch;
+            v_block = v_ptr + row * v_pitch;
+            k_stride = k_token_stride;
+            v_stride = v_token_stride;
           }
           const float* q_group;
           if constexpr (kWideQuery) {
-            q_group = q_buf.data() + h * group * head_dim;
+            q_group = q_buf.data() + h * group * k_dim;
           } else {
-            q_group = q_job + h * group * head_dim;
+            q_group = q_job + h * group * k_dim;
           }
-          attend_block<kDim>(q_group, k_block, v_block, stride, num_keys, group, head_dim,
-                             block_size, fscale, fcap, scores.data(),
-                             acc.data() + h * group * head_dim, run_max.data() + h * group,
+          attend_block<kDim>(q_group, k_block, v_block, k_stride, v_stride, num_keys, group,
+                             k_dim, v_dim, block_size, fscale, fcap, scores.data(),
+                             acc.data() + h * group * v_dim, run_max.data() + h * group,
                              run_sum.data() + h * group, next);
         }
       }
-      Query* o_job = out_ptr + (seq * num_heads + kv_first * group) * head_dim;
+      Query* o_job = out_ptr + (seq * num_heads + kv_first * group) * v_dim;
       for (int64_t g = 0; g < job_heads; ++g) {
         const float inv = 1.f / run_sum[g];
         if constexpr (kWideQuery) {
-          for (int64_t i = 0; i < head_dim; ++i) {
-            o_job[g * head_dim + i] = static_cast<Query>(acc[g * head_dim + i] * inv);
+          for (int64_t i = 0; i < v_dim; ++i) {
+            o_job[g * v_dim + i] = static_cast<Query>(acc[g * v_dim + i] * inv);
           }
         } else {
 #pragma omp simd
-          for (int64_t i = 0; i < head_dim; ++i) o_job[g * head_dim + i] = acc[g * head_dim + i] * inv;
+          for (int64_t i = 0; i < v_dim; ++i) o_job[g * v_dim + i] = acc[g * v_dim + i] * inv;
         }
       }
     }
   });
 }
 
-// decode_loop with head_dim fixed at compile time where it is a common size
+// decode_loop with the head dims fixed at compile time where they are one common size
 template <typename Cache, typename Query = float>
 void decode_dispatch(const Query* q_ptr, const Cache* k_ptr, const Cache* v_ptr,
-                     const float* ks_ptr, const float* vs_ptr, const int32_t* table_ptr,
-                     const int32_t* len_ptr, Query* out_ptr, int64_t num_seqs, int64_t num_heads,
-                     int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                     int64_t max_blocks, float fscale, float fcap, int64_t sliding_window) {
+                     const float* ks_ptr, const float* vs_ptr, const float* sinks_ptr,
+                     const int32_t* table_ptr, const int32_t* len_ptr, Query* out_ptr,
+                     const DecodeShape& shape, float fscale, float fcap, int64_t sliding_window) {
   auto run = [&](auto dim_tag) {
-    decode_loop<Cache, decltype(dim_tag)::value, Query>(
-        q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, len_ptr, out_ptr, num_seqs, num_heads,
-        num_kv_heads, head_dim, block_size, max_blocks, fscale, fcap, sliding_window);
+    decode_loop<Cache, decltype(dim_tag)::value, Query>(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
+                                                        sinks_ptr, table_ptr, len_ptr, out_ptr,
+                                                        shape, fscale, fcap, sliding_window);
   };
-  if (head_dim == 64) {
+  const int64_t dim = shape.k_dim == shape.v_dim ? shape.k_dim : 0;
+  if (dim == 64) {
     run(std::integral_constant<int64_t, 64>());
-  } else if (head_dim == 128) {
+  } else if (dim == 128) {
     run(std::integral_constant<int64_t, 128>());
   } else {
     run(std::integral_constant<int64_t, 0>());
   }
 }
 
-// q: contiguous float32 on the CPU, or bfloat16 where `bf16_query` allows it
-void check_decode_inputs(const at::Tensor& q, const at::Tensor& k_cache,
+// Checks what every decode entry shares and returns the call's shapes. q: contiguous float32
+// on the CPU, or bfloat16 where `bf16_query` allows it; the caches: `cache_dtype`, contiguous
+// or views of a contiguous cache's rows (cache_row_pitch), values no wider than keys.
+DecodeShape decode_shape(const at::Tensor& q, const at::Tensor& k_cache,
                          const at::Tensor& v_cache, const at::Tensor& block_tables,
                          const at::Tensor& kv_lens, int64_t sliding_window, double softcap,
-                         bool bf16_query = false) {
+                         at::ScalarType cache_dtype, bool bf16_query = false) {
   if (bf16_query && q.scalar_type() == at::kBFloat16) {
     TORCH_CHECK(q.device().is_cpu() && q.is_contiguous(), "q must be a contiguous CPU tensor");
   } else {
@@ -407,60 +442,87 @@ void check_decode_inputs(const at::Tensor& q, const at::Tensor& k_cache,
               "block_tables must be contiguous int32");
   TORCH_CHECK(kv_lens.scalar_type() == at::kInt && kv_lens.is_contiguous(),
               "kv_lens must be contiguous int32");
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
-              "bad shapes");
+  const int64_t k_pitch = cache_row_pitch(k_cache, cache_dtype, "k_cache");
+  const int64_t v_pitch = cache_row_pitch(v_cache, cache_dtype, "v_cache");
+  TORCH_CHECK(q.dim() == 3 && v_cache.size(0) == k_cache.size(0) &&
+                  v_cache.size(1) == k_cache.size(1) && v_cache.size(2) == k_cache.size(2) &&
+                  v_cache.size(3) <= k_cache.size(3),
+              "bad shapes: the caches must share [num_blocks, block_size, num_kv_heads], with "
+              "values no wider than keys");
   TORCH_CHECK(k_cache.size(3) == q.size(2), "head_dim of q and cache differ");
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "heads not a multiple of KV heads");
   TORCH_CHECK(block_tables.size(0) == q.size(0) && kv_lens.size(0) == q.size(0),
               "one block table and kv_len per sequence");
   TORCH_CHECK(sliding_window >= 0 && softcap >= 0, "sliding_window and softcap must be >= 0");
+  DecodeShape shape;
+  shape.num_seqs = q.size(0);
+  shape.num_heads = q.size(1);
+  shape.num_kv_heads = k_cache.size(2);
+  shape.k_dim = k_cache.size(3);
+  shape.v_dim = v_cache.size(3);
+  shape.k_pitch = k_pitch;
+  shape.v_pitch = v_pitch;
+  shape.block_size = k_cache.size(1);
+  shape.max_blocks = block_tables.size(1);
+  shape.v_in_k = values_in_keys(k_cache, v_cache, k_pitch, v_pitch);
+  return shape;
 }
 
 }  // namespace
 
 // Decode attention straight from the paged cache: one query token per sequence, no gather.
-//   q:            [num_seqs, num_heads, head_dim]
-//   k/v_cache:    [num_blocks, block_size, num_kv_heads, head_dim]
+//   q:            [num_seqs, num_heads, k_dim]
+//   k_cache:      [num_blocks, block_size, num_kv_heads, k_dim]
+//   v_cache:      [num_blocks, block_size, num_kv_heads, v_dim], v_dim <= k_dim: its own
+//                 contiguous cache, or (MLA, one latent cache) the view k_cache[..., :v_dim]
 //   block_tables: [num_seqs, max_blocks] int32
 //   kv_lens:      [num_seqs] int32, keys visible to the sequence's query (its own included)
 //   sliding_window: > 0 limits the query to its last `sliding_window` keys (0 = all)
 //   softcap:        > 0 caps the scaled scores as softcap * tanh(score / softcap) (Gemma 2)
-// Returns [num_seqs, num_heads, head_dim]. The query heads of one KV head (GQA group) are
+//   sinks:          [num_heads] float32, a learned logit per head in the softmax with no value
+//                   (gpt-oss), or None
+// Returns [num_seqs, num_heads, v_dim]. The query heads of one KV head (GQA group) are
 // served together, so each key and value row is read once per group. Softmax is online
 // (running max and sum per head), one block at a time.
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
                                   const at::Tensor& v_cache, const at::Tensor& block_tables,
                                   const at::Tensor& kv_lens, double scale,
-                                  int64_t sliding_window, double softcap) {
-  check_cpu_f32(k_cache, "k_cache");
-  check_cpu_f32(v_cache, "v_cache");
-  check_decode_inputs(q, k_cache, v_cache, block_tables, kv_lens, sliding_window, softcap);
-  auto out = at::empty_like(q);
-  decode_dispatch<float>(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
-                     nullptr, nullptr, block_tables.data_ptr<int32_t>(),
-                     kv_lens.data_ptr<int32_t>(), out.data_ptr<float>(), q.size(0), q.size(1),
-                     k_cache.size(2), q.size(2), k_cache.size(1), block_tables.size(1),
-                     static_cast<float>(scale), static_cast<float>(softcap), sliding_window);
+                                  int64_t sliding_window, double softcap,
+                                  const c10::optional<at::Tensor>& sinks) {
+  const DecodeShape shape = decode_shape(q, k_cache, v_cache, block_tables, kv_lens,
+                                         sliding_window, softcap, at::kFloat);
+  auto out = at::empty({shape.num_seqs, shape.num_heads, shape.v_dim}, q.options());
+  decode_dispatch<float>(q.data_ptr<float>(), k_cache.data_ptr<float>(),
+                         v_cache.data_ptr<float>(), nullptr, nullptr,
+                         sinks_data(sinks, shape.num_heads, "paged_decode_attention"),
+                         block_tables.data_ptr<int32_t>(), kv_lens.data_ptr<int32_t>(),
+                         out.data_ptr<float>(), shape, static_cast<float>(scale),
+                         static_cast<float>(softcap), sliding_window);
   return out;
 }
 
-// The same over an int8 cache: k/v_cache int8, k/v_scale [num_blocks, block_size,
-// num_kv_heads] float32 (value = int8 * scale, lmengine/kernels/kv_quant.py).
+// The same over an int8 cache: k/v_cache int8, contiguous and as wide as each other, k/v_scale
+// [num_blocks, block_size, num_kv_heads] float32 (value = int8 * scale,
+// lmengine/kernels/kv_quant.py).
 at::Tensor paged_decode_attention_int8(const at::Tensor& q, const at::Tensor& k_cache,
                                        const at::Tensor& v_cache, const at::Tensor& k_scale,
                                        const at::Tensor& v_scale, const at::Tensor& block_tables,
                                        const at::Tensor& kv_lens, double scale,
-                                       int64_t sliding_window, double softcap) {
+                                       int64_t sliding_window, double softcap,
+                                       const c10::optional<at::Tensor>& sinks) {
   check_int8_cache(k_cache, k_scale, "k_cache");
   check_int8_cache(v_cache, v_scale, "v_cache");
-  check_decode_inputs(q, k_cache, v_cache, block_tables, kv_lens, sliding_window, softcap);
-  auto out = at::empty_like(q);
+  TORCH_CHECK(v_cache.size(3) == k_cache.size(3), "the int8 cache needs values as wide as keys");
+  const DecodeShape shape = decode_shape(q, k_cache, v_cache, block_tables, kv_lens,
+                                         sliding_window, softcap, at::kChar);
+  auto out = at::empty({shape.num_seqs, shape.num_heads, shape.v_dim}, q.options());
   decode_dispatch<int8_t>(q.data_ptr<float>(), k_cache.data_ptr<int8_t>(),
-                      v_cache.data_ptr<int8_t>(), k_scale.data_ptr<float>(),
-                      v_scale.data_ptr<float>(), block_tables.data_ptr<int32_t>(),
-                      kv_lens.data_ptr<int32_t>(), out.data_ptr<float>(), q.size(0), q.size(1),
-                      k_cache.size(2), q.size(2), k_cache.size(1), block_tables.size(1),
-                      static_cast<float>(scale), static_cast<float>(softcap), sliding_window);
+                          v_cache.data_ptr<int8_t>(), k_scale.data_ptr<float>(),
+                          v_scale.data_ptr<float>(),
+                          sinks_data(sinks, shape.num_heads, "paged_decode_attention_int8"),
+                          block_tables.data_ptr<int32_t>(), kv_lens.data_ptr<int32_t>(),
+                          out.data_ptr<float>(), shape, static_cast<float>(scale),
+                          static_cast<float>(softcap), sliding_window);
   return out;
 }
 
@@ -471,19 +533,18 @@ at::Tensor paged_decode_attention_int8(const at::Tensor& q, const at::Tensor& k_
 at::Tensor paged_decode_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache,
                                        const at::Tensor& v_cache, const at::Tensor& block_tables,
                                        const at::Tensor& kv_lens, double scale,
-                                       int64_t sliding_window, double softcap) {
-  for (const at::Tensor* t : {&k_cache, &v_cache}) {
-    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kBFloat16 && t->is_contiguous(),
-                "k_cache and v_cache must be contiguous bfloat16 CPU tensors");
-  }
-  check_decode_inputs(q, k_cache, v_cache, block_tables, kv_lens, sliding_window, softcap, true);
-  auto out = at::empty_like(q);
+                                       int64_t sliding_window, double softcap,
+                                       const c10::optional<at::Tensor>& sinks) {
+  const DecodeShape shape = decode_shape(q, k_cache, v_cache, block_tables, kv_lens,
+                                         sliding_window, softcap, at::kBFloat16, true);
+  auto out = at::empty({shape.num_seqs, shape.num_heads, shape.v_dim}, q.options());
+  const float* sinks_ptr = sinks_data(sinks, shape.num_heads, "paged_decode_attention_bf16");
   auto run = [&](auto* q_ptr, auto* out_ptr) {
-    decode_dispatch<at::BFloat16>(
-        q_ptr, k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(), nullptr,
-        nullptr, block_tables.data_ptr<int32_t>(), kv_lens.data_ptr<int32_t>(), out_ptr,
-        q.size(0), q.size(1), k_cache.size(2), q.size(2), k_cache.size(1), block_tables.size(1),
-        static_cast<float>(scale), static_cast<float>(softcap), sliding_window);
+    decode_dispatch<at::BFloat16>(q_ptr, k_cache.data_ptr<at::BFloat16>(),
+                                  v_cache.data_ptr<at::BFloat16>(), nullptr, nullptr, sinks_ptr,
+                                  block_tables.data_ptr<int32_t>(), kv_lens.data_ptr<int32_t>(),
+                                  out_ptr, shape, static_cast<float>(scale),
+                                  static_cast<float>(softcap), sliding_window);
   };
   if (q.scalar_type() == at::kBFloat16) {
     run(q.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>());
@@ -611,14 +672,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, release_gil(),
         "decode attention over the paged KV cache (float32, CPU)", py::arg("q"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("kv_lens"),
-        py::arg("scale"), py::arg("sliding_window") = 0, py::arg("softcap") = 0.0);
+        py::arg("scale"), py::arg("sliding_window") = 0, py::arg("softcap") = 0.0,
+        py::arg("sinks") = py::none());
   m.def("paged_decode_attention_int8", &paged_decode_attention_int8, release_gil(),
         "decode attention over the paged int8 KV cache (float32 queries, CPU)", py::arg("q"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("k_scale"), py::arg("v_scale"),
         py::arg("block_tables"), py::arg("kv_lens"), py::arg("scale"),
-        py::arg("sliding_window") = 0, py::arg("softcap") = 0.0);
+        py::arg("sliding_window") = 0, py::arg("softcap") = 0.0, py::arg("sinks") = py::none());
   m.def("paged_decode_attention_bf16", &paged_decode_attention_bf16, release_gil(),
         "decode attention over the paged bfloat16 KV cache (float32 or bfloat16 queries, CPU)", py::arg("q"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("kv_lens"),
-        py::arg("scale"), py::arg("sliding_window") = 0, py::arg("softcap") = 0.0);
+        py::arg("scale"), py::arg("sliding_window") = 0, py::arg("softcap") = 0.0,
+        py::arg("sinks") = py::none());
 }

@@ -38,11 +38,13 @@ at::Tensor rotary_fill_kv_bf16(const at::Tensor& q, const at::Tensor& k, const a
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
                                   const at::Tensor& v_cache, const at::Tensor& block_tables,
                                   const at::Tensor& kv_lens, double scale,
-                                  int64_t sliding_window, double softcap);
+                                  int64_t sliding_window, double softcap,
+                                  const c10::optional<at::Tensor>& sinks);
 at::Tensor paged_decode_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache,
                                        const at::Tensor& v_cache, const at::Tensor& block_tables,
                                        const at::Tensor& kv_lens, double scale,
-                                       int64_t sliding_window, double softcap);
+                                       int64_t sliding_window, double softcap,
+                                       const c10::optional<at::Tensor>& sinks);
 
 namespace {
 
@@ -155,12 +157,12 @@ class DecodeLoop {
       const at::Tensor rotated =
           rotary_fill_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping);
       return paged_decode_attention(rotated, k_cache, v_cache, block_tables, kv_lens, scale_, 0,
-                                    0.0);
+                                    0.0, c10::nullopt);
     }
     const at::Tensor rotated =
         rotary_fill_kv_bf16(q, k, v, cos, sin, k_cache, v_cache, slot_mapping);
     return paged_decode_attention_bf16(rotated, k_cache, v_cache, block_tables, kv_lens, scale_,
-                                       0, 0.0);
+                                       0, 0.0, c10::nullopt);
   }
 
   Weights weights_;

@@ -33,6 +33,7 @@
 
 #include "bf16_rows.h"
 #include "bindings.h"
+#include "paged_cache.h"
 #include "vec_math.h"
 
 namespace {
@@ -61,8 +62,8 @@ struct Task {
 
 // What both kernels share: the tasks (sequence, KV head, block of query rows) largest first,
 // after checking every sequence against its table and q, and the offsets of each (sequence, KV
-// head)'s keys [round16(kv_len), D] and transposed value tiles [tiles, D, kVRow] in their
-// buffers.
+// head)'s keys [round16(kv_len), k_dim] and transposed value tiles [tiles, v_dim, kVRow] in
+// their buffers.
 struct Plan {
   std::vector<Task> tasks;
   std::vector<int64_t> k_off, v_off;
@@ -70,7 +71,7 @@ struct Plan {
 
 Plan plan_tasks(const char* op, const int32_t* qs, const int32_t* ql, const int32_t* kl,
                 int64_t n, int64_t bs, int64_t max_blocks, int64_t q_rows, int64_t kv_heads,
-                int64_t task_rows, int64_t dim) {
+                int64_t task_rows, int64_t k_dim, int64_t v_dim) {
   Plan plan;
   for (int64_t s = 0; s < n; ++s) {
     TORCH_CHECK(ql[s] >= 1 && kl[s] >= ql[s] && (kl[s] + bs - 1) / bs <= max_blocks &&
@@ -89,16 +90,48 @@ Plan plan_tasks(const char* op, const int32_t* qs, const int32_t* ql, const int3
   for (int64_t s = 0; s < n; ++s)
     for (int64_t h = 0; h < kv_heads; ++h) {
       const int64_t u = s * kv_heads + h;
-      plan.k_off[u + 1] = plan.k_off[u] + round16(kl[s]) * dim;
-      plan.v_off[u + 1] = plan.v_off[u] + key_tiles(kl[s]) * dim * kVRow;
+      plan.k_off[u + 1] = plan.k_off[u] + round16(kl[s]) * k_dim;
+      plan.v_off[u + 1] = plan.v_off[u] + key_tiles(kl[s]) * v_dim * kVRow;
     }
   return plan;
 }
 
-void check_cache(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous() &&
-                  t.dim() == 4,
-              name, " must be a contiguous float32 CPU tensor [blocks, block_size, kv_heads, D]");
+// Where a call's cache rows are: (sequence s, position pos, KV head h) starts at
+// offset(s, pos, h) in its cache, rows `pitch` elements apart (cache_row_pitch).
+struct CacheRows {
+  const int32_t* tables;
+  int64_t max_blocks, block_size, kv_heads, pitch;
+  int64_t token_stride() const { return kv_heads * pitch; }  // between two keys of a block
+  int64_t offset(int64_t s, int64_t pos, int64_t h) const {
+    return (tables[s * max_blocks + pos / block_size] * block_size + pos % block_size) *
+               token_stride() +
+           h * pitch;
+  }
+};
+
+// Checks the caches (`dtype`, contiguous or views of a contiguous cache's rows, sharing
+// [blocks, block_size, kv_heads], values no wider than keys) and q's head dim against them.
+void check_caches(const char* op, const at::Tensor& q, const at::Tensor& k_cache,
+                  const at::Tensor& v_cache, at::ScalarType dtype, int64_t* k_pitch,
+                  int64_t* v_pitch) {
+  *k_pitch = cache_row_pitch(k_cache, dtype, "k_cache");
+  *v_pitch = cache_row_pitch(v_cache, dtype, "v_cache");
+  TORCH_CHECK(v_cache.size(0) == k_cache.size(0) && v_cache.size(1) == k_cache.size(1) &&
+                  v_cache.size(2) == k_cache.size(2) && v_cache.size(3) <= k_cache.size(3),
+              op, ": the caches must share [blocks, block_size, kv_heads], with values no wider "
+              "than keys");
+  TORCH_CHECK(k_cache.size(3) == q.size(2), op, ": head_dim of q and the cache");
+}
+
+// A task's running maxima and sums before its first key tile: -inf and 0, or, with a learned
+// sink per query head (gpt-oss), the sink and exp(0) = 1, as if the sink were one more key
+// with a zero value. `sinks` points at the task's first query head; column c belongs to head
+// c / rows.
+void start_softmax(const float* sinks, int64_t m, int64_t rows, float* row_max, float* row_sum) {
+  for (int64_t c = 0; c < m; ++c) {
+    row_max[c] = sinks != nullptr ? sinks[c / rows] : -std::numeric_limits<float>::infinity();
+    row_sum[c] = sinks != nullptr ? 1.f : 0.f;
+  }
 }
 
 void check_i32(const at::Tensor& t, const char* name) {
@@ -151,7 +184,7 @@ void softmax_tile(const float* s, int64_t kn16, int64_t m, int64_t rows, int64_t
     v16f mx = old;
     for (int u = 0; u < 4; ++u) mx = mx4[u] > mx ? mx4[u] : mx;
     // a column's first tile always holds its key 0: mx is finite from then on, and
-    // exp(-inf - mx) = 0 for the old sum
+    // exp(-inf - mx) = 0 for the old sum (with a sink, old is already finite)
     const v16f alpha = exp16(old - mx);
     v16f sum4[4] = {};
     for (int64_t j = 0; j < kn16; j += 4) {
@@ -205,30 +238,34 @@ bool prefill_attention_available() {
 #endif
 }
 
-// q [T, H, D] (rows may be strided: a view of the fused QKV output; each row's heads
-// contiguous), k_cache / v_cache [blocks, bs, KH, D], tables [n, max_blocks], q_start / q_lens
-// / kv_lens [n] (the chunk of sequence s is rows q_start[s] .. + q_lens[s] of q, at positions
-// kv_lens[s] - q_lens[s] ...; its keys are already in the cache). Writes those rows of `out`
-// [T, H, D] (contiguous).
+// q [T, H, Dk] (rows may be strided: a view of the fused QKV output; each row's heads
+// contiguous), k_cache [blocks, bs, KH, Dk], v_cache [blocks, bs, KH, Dv] with Dv <= Dk (its own
+// cache, or MLA's values: the view k_cache[..., :Dv] of one latent cache), tables [n,
+// max_blocks], q_start / q_lens / kv_lens [n] (the chunk of sequence s is rows q_start[s] .. +
+// q_lens[s] of q, at positions kv_lens[s] - q_lens[s] ...; its keys are already in the cache).
+// Writes those rows of `out` [T, H, Dv] (contiguous). `sinks`: a learned logit per query head
+// [H] float32 (gpt-oss) that joins each softmax with no value, or None.
 void paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
                              const at::Tensor& v_cache, const at::Tensor& tables,
                              const at::Tensor& q_start, const at::Tensor& q_lens,
-                             const at::Tensor& kv_lens, double scale, at::Tensor& out) {
+                             const at::Tensor& kv_lens, double scale, at::Tensor& out,
+                             const c10::optional<at::Tensor>& sinks) {
+  const char* op_name = "paged_prefill_attention";
   TORCH_CHECK(q.device().is_cpu() && q.scalar_type() == at::kFloat && q.dim() == 3 &&
                   q.stride(2) == 1 && q.stride(1) == q.size(2),
               "paged_prefill_attention: q must be float32 [T, H, D] with contiguous heads");
-  check_cache(k_cache, "k_cache");
-  check_cache(v_cache, "v_cache");
-  TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "k_cache and v_cache differ in shape");
+  int64_t k_pitch, v_pitch;
+  check_caches(op_name, q, k_cache, v_cache, at::kFloat, &k_pitch, &v_pitch);
   check_i32(tables, "tables");
   check_i32(q_start, "q_start");
   check_i32(q_lens, "q_lens");
   check_i32(kv_lens, "kv_lens");
-  TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes() && out.scalar_type() == at::kFloat,
-              "paged_prefill_attention: out must be a contiguous float32 tensor shaped like q");
-  const int64_t heads = q.size(1), dim = q.size(2);
+  const int64_t heads = q.size(1), k_dim = q.size(2), v_dim = v_cache.size(3);
+  TORCH_CHECK(out.is_contiguous() && out.dim() == 3 && out.size(0) == q.size(0) &&
+                  out.size(1) == heads && out.size(2) == v_dim &&
+                  out.scalar_type() == at::kFloat,
+              "paged_prefill_attention: out must be a contiguous float32 tensor [T, H, Dv]");
   const int64_t bs = k_cache.size(1), kv_heads = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == dim, "paged_prefill_attention: head_dim of q and the cache");
   TORCH_CHECK(heads % kv_heads == 0, "paged_prefill_attention: heads % kv_heads != 0");
   const int64_t group = heads / kv_heads, n = q_lens.size(0), max_blocks = tables.size(1);
   TORCH_CHECK(tables.dim() == 2 && tables.size(0) == n && q_start.size(0) == n &&
@@ -238,9 +275,10 @@ void paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
   const int32_t* qs = q_start.data_ptr<int32_t>();
   const int32_t* ql = q_lens.data_ptr<int32_t>();
   const int32_t* kl = kv_lens.data_ptr<int32_t>();
+  const float* sp = sinks_data(sinks, heads, op_name);
   const int64_t task_rows = task_rows_for(group), m = group * task_rows;
-  const Plan plan = plan_tasks("paged_prefill_attention", qs, ql, kl, n, bs, max_blocks,
-                               q.size(0), kv_heads, task_rows, dim);
+  const Plan plan = plan_tasks(op_name, qs, ql, kl, n, bs, max_blocks, q.size(0), kv_heads,
+                               task_rows, k_dim, v_dim);
   const std::vector<Task>& tasks = plan.tasks;
   const std::vector<int64_t>& k_off = plan.k_off;
   const std::vector<int64_t>& v_off = plan.v_off;
@@ -249,11 +287,11 @@ void paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
   const float* vc = v_cache.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t q_row = q.stride(0);
-  const int64_t token_stride = kv_heads * dim;  // between two keys of a block, one KV head
-  const int64_t block_stride = bs * token_stride;
+  const CacheRows k_rows{tab, max_blocks, bs, kv_heads, k_pitch};
+  const CacheRows v_rows{tab, max_blocks, bs, kv_heads, v_pitch};
   const float fscale = static_cast<float>(scale);
-  // per (sequence, KV head): keys [kv_len rounded up to 16, D] (a tile's scores are computed
-  // 16 keys at a time) and values transposed in tiles [tiles, D, kVRow], zeros past kv_len
+  // per (sequence, KV head): keys [kv_len rounded up to 16, Dk] (a tile's scores are computed
+  // 16 keys at a time) and values transposed in tiles [tiles, Dv, kVRow], zeros past kv_len
   auto kbuf = at::empty({k_off.back()}, q.options());
   auto vbuf = at::empty({v_off.back()}, q.options());
   float* kg = kbuf.data_ptr<float>();
@@ -261,22 +299,21 @@ void paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
   at::parallel_for(0, n * kv_heads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t u = begin; u < end; ++u) {
       const int64_t s = u / kv_heads, h = u % kv_heads, len = kl[s];
-      auto offset = [&](int64_t pos) {  // of (pos, h) in the caches
-        return tab[s * max_blocks + pos / bs] * block_stride + (pos % bs) * token_stride +
-               h * dim;
-      };
       float* keys = kg + k_off[u];
       float* values_t = vg + v_off[u];
-      for (int64_t pos = 0; pos < len; ++pos)
-        std::copy(kc + offset(pos), kc + offset(pos) + dim, keys + pos * dim);
-      std::fill(keys + len * dim, keys + round16(len) * dim, 0.f);
-      const int64_t last = (key_tiles(len) - 1) * dim * kVRow;  // the last tile: zeros first
-      std::fill(values_t + last, values_t + last + dim * kVRow, 0.f);
+      for (int64_t pos = 0; pos < len; ++pos) {
+        const float* row = kc + k_rows.offset(s, pos, h);
+        std::copy(row, row + k_dim, keys + pos * k_dim);
+      }
+      std::fill(keys + len * k_dim, keys + round16(len) * k_dim, 0.f);
+      const int64_t last = (key_tiles(len) - 1) * v_dim * kVRow;  // the last tile: zeros first
+      std::fill(values_t + last, values_t + last + v_dim * kVRow, 0.f);
       // values: runs of positions inside one cache block and one tile, transposed
       for (int64_t pos = 0; pos < len;) {
         const int64_t run = std::min({bs - pos % bs, kK - pos % kK, len - pos});
-        float* dst = values_t + (pos / kK) * dim * kVRow + pos % kK;
-        transpose_block(vc + offset(pos), token_stride, dst, kVRow, run, dim);
+        float* dst = values_t + (pos / kK) * v_dim * kVRow + pos % kK;
+        transpose_block(vc + v_rows.offset(s, pos, h), v_rows.token_stride(), dst, kVRow, run,
+                        v_dim);
         pos += run;
       }
     }
@@ -285,7 +322,7 @@ void paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
   const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), num_tasks));
 #pragma omp parallel num_threads(threads)
   {
-    std::vector<float> qt(dim * m), st(kK * m), ot(dim * m), row_max(m), row_sum(m);
+    std::vector<float> qt(k_dim * m), st(kK * m), ot(v_dim * m), row_max(m), row_sum(m);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t ti = 0; ti < num_tasks; ++ti) {
       const Task& t = tasks[ti];
@@ -298,32 +335,32 @@ void paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
       std::fill(qt.begin(), qt.end(), 0.f);
       const int64_t row0 = qs[t.seq] + t.row0;  // the task's first row of q and out
       for (int64_t g = 0; g < group; ++g)
-        transpose_block(qp + row0 * q_row + (t.kv_head * group + g) * dim, q_row,
-                        qt.data() + g * task_rows, m, t.rows, dim, fscale);
+        transpose_block(qp + row0 * q_row + (t.kv_head * group + g) * k_dim, q_row,
+                        qt.data() + g * task_rows, m, t.rows, k_dim, fscale);
       std::fill(ot.begin(), ot.end(), 0.f);
-      std::fill(row_max.begin(), row_max.end(), -std::numeric_limits<float>::infinity());
-      std::fill(row_sum.begin(), row_sum.end(), 0.f);
+      start_softmax(sp != nullptr ? sp + t.kv_head * group : nullptr, m, task_rows,
+                    row_max.data(), row_sum.data());
       for (int64_t k0 = 0; k0 < key_end; k0 += kK) {
         // 16 keys at a time: the zero keys past the buffer's end are masked like the rest
         const int64_t kn16 = round16(std::min<int64_t>(kK, key_end - k0));
-        gemm(kn16, m, dim, keys + k0 * dim, dim, qt.data(), m, st.data(), m, false);
+        gemm(kn16, m, k_dim, keys + k0 * k_dim, k_dim, qt.data(), m, st.data(), m, false);
         softmax_tile(st.data(), kn16, m, task_rows, first_pos, k0, row_max.data(),
-                     row_sum.data(), ot.data(), dim, 1.f, StoreInPlace{st.data(), m});
-        gemm(dim, m, kn16, values_t + k0 / kK * dim * kVRow, kVRow, st.data(), m, ot.data(), m,
-             true);
+                     row_sum.data(), ot.data(), v_dim, 1.f, StoreInPlace{st.data(), m});
+        gemm(v_dim, m, kn16, values_t + k0 / kK * v_dim * kVRow, kVRow, st.data(), m, ot.data(),
+             m, true);
       }
       // O = (O^T)^T / sum, row by row into `out`
       for (int64_t c = 0; c < m; c += 16) {
         const v16f inv = 1.f / load16(row_sum.data() + c);
-        for (int64_t d = 0; d < dim; ++d) {
+        for (int64_t d = 0; d < v_dim; ++d) {
           v16f* v = reinterpret_cast<v16f*>(ot.data() + d * m + c);
           *v = *v * inv;
         }
       }
       for (int64_t g = 0; g < group; ++g)
         transpose_block(ot.data() + g * task_rows, m,
-                        op + (row0 * heads + t.kv_head * group + g) * dim, heads * dim, dim,
-                        t.rows);
+                        op + (row0 * heads + t.kv_head * group + g) * v_dim, heads * v_dim,
+                        v_dim, t.rows);
     }
   }
 }
@@ -389,37 +426,36 @@ inline void store_rows_bf16(const float* ot, int64_t m, int64_t c0, const float*
 
 }  // namespace
 
-// paged_prefill_attention for a bfloat16 model: q [T, H, D], the caches and `out` bfloat16;
-// scores, softmax and the output accumulate in float32. The same transposed tiles, with both
-// GEMMs in bfloat16 on the CPU's matrix units (oneDNN's microkernel on AMX tiles):
+// paged_prefill_attention for a bfloat16 model: q [T, H, Dk] (Dk even), the caches and `out`
+// [T, H, Dv] bfloat16; scores, softmax and the output accumulate in float32. The same
+// transposed tiles, with both GEMMs in bfloat16 on the CPU's matrix units (oneDNN's microkernel
+// on AMX tiles):
 //   S^T [keys, M] = K Q^T       (A: the keys, bfloat16 rows; B: Q^T in VNNI pairs)
-//   O^T [D, M]   += V^T P^T     (A: the transposed value tiles; B: the probabilities rounded to
+//   O^T [Dv, M]  += V^T P^T     (A: the transposed value tiles; B: the probabilities rounded to
 //                                bfloat16, in VNNI pairs)
 // The scale multiplies the float32 scores (the queries stay exactly as the model made them).
 void paged_prefill_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache,
                                   const at::Tensor& v_cache, const at::Tensor& tables,
                                   const at::Tensor& q_start, const at::Tensor& q_lens,
-                                  const at::Tensor& kv_lens, double scale, at::Tensor& out) {
+                                  const at::Tensor& kv_lens, double scale, at::Tensor& out,
+                                  const c10::optional<at::Tensor>& sinks) {
   const char* op = "paged_prefill_attention_bf16";
   TORCH_CHECK(q.device().is_cpu() && q.scalar_type() == at::kBFloat16 && q.dim() == 3 &&
                   q.stride(2) == 1 && q.stride(1) == q.size(2),
               op, ": q must be bfloat16 [T, H, D] with contiguous heads");
-  for (const at::Tensor* t : {&k_cache, &v_cache}) {
-    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kBFloat16 &&
-                    t->is_contiguous() && t->dim() == 4,
-                op, ": the caches must be contiguous bfloat16 [blocks, block_size, kv_heads, D]");
-  }
-  TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), op, ": k_cache and v_cache differ in shape");
+  int64_t k_pitch, v_pitch;
+  check_caches(op, q, k_cache, v_cache, at::kBFloat16, &k_pitch, &v_pitch);
   check_i32(tables, "tables");
   check_i32(q_start, "q_start");
   check_i32(q_lens, "q_lens");
   check_i32(kv_lens, "kv_lens");
-  TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes() &&
+  const int64_t heads = q.size(1), k_dim = q.size(2), v_dim = v_cache.size(3);
+  TORCH_CHECK(out.is_contiguous() && out.dim() == 3 && out.size(0) == q.size(0) &&
+                  out.size(1) == heads && out.size(2) == v_dim &&
                   out.scalar_type() == at::kBFloat16,
-              op, ": out must be a contiguous bfloat16 tensor shaped like q");
-  const int64_t heads = q.size(1), dim = q.size(2);
+              op, ": out must be a contiguous bfloat16 tensor [T, H, Dv]");
   const int64_t bs = k_cache.size(1), kv_heads = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == dim && dim % 2 == 0, op, ": head_dim of q and the cache");
+  TORCH_CHECK(k_dim % 2 == 0, op, ": head_dim of q and the cache must be even");
   TORCH_CHECK(heads % kv_heads == 0, op, ": heads % kv_heads != 0");
   const int64_t group = heads / kv_heads, n = q_lens.size(0), max_blocks = tables.size(1);
   TORCH_CHECK(tables.dim() == 2 && tables.size(0) == n && q_start.size(0) == n &&
@@ -429,9 +465,10 @@ void paged_prefill_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache
   const int32_t* qs = q_start.data_ptr<int32_t>();
   const int32_t* ql = q_lens.data_ptr<int32_t>();
   const int32_t* kl = kv_lens.data_ptr<int32_t>();
+  const float* sp = sinks_data(sinks, heads, op);
   const int64_t task_rows = task_rows_for(group), m = group * task_rows;
-  const Plan plan =
-      plan_tasks(op, qs, ql, kl, n, bs, max_blocks, q.size(0), kv_heads, task_rows, dim);
+  const Plan plan = plan_tasks(op, qs, ql, kl, n, bs, max_blocks, q.size(0), kv_heads,
+                               task_rows, k_dim, v_dim);
   const std::vector<Task>& tasks = plan.tasks;
   const std::vector<int64_t>& k_off = plan.k_off;
   const std::vector<int64_t>& v_off = plan.v_off;
@@ -440,8 +477,8 @@ void paged_prefill_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache
   const uint16_t* vc = reinterpret_cast<const uint16_t*>(v_cache.data_ptr<bf16>());
   uint16_t* op_out = reinterpret_cast<uint16_t*>(out.data_ptr<bf16>());
   const int64_t q_row = q.stride(0);
-  const int64_t token_stride = kv_heads * dim;
-  const int64_t block_stride = bs * token_stride;
+  const CacheRows k_rows{tab, max_blocks, bs, kv_heads, k_pitch};
+  const CacheRows v_rows{tab, max_blocks, bs, kv_heads, v_pitch};
   const float fscale = static_cast<float>(scale);
   auto kbuf = at::empty({k_off.back()}, q.options());
   auto vbuf = at::empty({v_off.back()}, q.options());
@@ -450,32 +487,30 @@ void paged_prefill_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache
   at::parallel_for(0, n * kv_heads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t u = begin; u < end; ++u) {
       const int64_t s = u / kv_heads, h = u % kv_heads, len = kl[s];
-      auto offset = [&](int64_t pos) {
-        return tab[s * max_blocks + pos / bs] * block_stride + (pos % bs) * token_stride +
-               h * dim;
-      };
       uint16_t* keys = kg + k_off[u];
       uint16_t* values_t = vg + v_off[u];
-      for (int64_t pos = 0; pos < len; ++pos)
-        std::copy(kc + offset(pos), kc + offset(pos) + dim, keys + pos * dim);
-      std::fill(keys + len * dim, keys + round16(len) * dim, uint16_t{0});
-      const int64_t last = (key_tiles(len) - 1) * dim * kVRow;
-      std::fill(values_t + last, values_t + last + dim * kVRow, uint16_t{0});
       for (int64_t pos = 0; pos < len; ++pos) {
-        const uint16_t* row = vc + offset(pos);
-        uint16_t* dst = values_t + (pos / kK) * dim * kVRow + pos % kK;
-        for (int64_t d = 0; d < dim; ++d) dst[d * kVRow] = row[d];
+        const uint16_t* row = kc + k_rows.offset(s, pos, h);
+        std::copy(row, row + k_dim, keys + pos * k_dim);
+      }
+      std::fill(keys + len * k_dim, keys + round16(len) * k_dim, uint16_t{0});
+      const int64_t last = (key_tiles(len) - 1) * v_dim * kVRow;
+      std::fill(values_t + last, values_t + last + v_dim * kVRow, uint16_t{0});
+      for (int64_t pos = 0; pos < len; ++pos) {
+        const uint16_t* row = vc + v_rows.offset(s, pos, h);
+        uint16_t* dst = values_t + (pos / kK) * v_dim * kVRow + pos % kK;
+        for (int64_t d = 0; d < v_dim; ++d) dst[d * kVRow] = row[d];
       }
     }
   });
   const int64_t num_tasks = static_cast<int64_t>(tasks.size());
   const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), num_tasks));
-  const int64_t words = dim / 2;  // 32-bit pairs of a head's row
+  const int64_t words = k_dim / 2;  // 32-bit pairs of a head's query row
 #pragma omp parallel num_threads(threads)
   {
-    std::vector<uint32_t> qt(words * m);    // Q^T in VNNI pairs: [D / 2][M] pairs
+    std::vector<uint32_t> qt(words * m);    // Q^T in VNNI pairs: [Dk / 2][M] pairs
     std::vector<uint16_t> pt(kK * m);       // P^T in VNNI pairs: [kK / 2][M][2]
-    std::vector<float> st(kK * m), ot(dim * m), row_max(m), row_sum(m);
+    std::vector<float> st(kK * m), ot(v_dim * m), row_max(m), row_sum(m);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t ti = 0; ti < num_tasks; ++ti) {
       const Task& t = tasks[ti];
@@ -487,43 +522,44 @@ void paged_prefill_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache
       std::fill(qt.begin(), qt.end(), 0u);
       const int64_t row0 = qs[t.seq] + t.row0;
       for (int64_t g = 0; g < group; ++g)
-        transpose_bits_block(qp + row0 * q_row + (t.kv_head * group + g) * dim, q_row * 2,
+        transpose_bits_block(qp + row0 * q_row + (t.kv_head * group + g) * k_dim, q_row * 2,
                              qt.data() + g * task_rows, m, t.rows, words);
       std::fill(ot.begin(), ot.end(), 0.f);
-      std::fill(row_max.begin(), row_max.end(), -std::numeric_limits<float>::infinity());
-      std::fill(row_sum.begin(), row_sum.end(), 0.f);
+      start_softmax(sp != nullptr ? sp + t.kv_head * group : nullptr, m, task_rows,
+                    row_max.data(), row_sum.data());
       for (int64_t k0 = 0; k0 < key_end; k0 += kK) {
         const int64_t kn16 = round16(std::min<int64_t>(kK, key_end - k0));
-        at::native::cpublas::brgemm(kn16, m, dim, dim, m, m, false,
-                                    reinterpret_cast<const bf16*>(keys + k0 * dim),
+        at::native::cpublas::brgemm(kn16, m, k_dim, k_dim, m, m, false,
+                                    reinterpret_cast<const bf16*>(keys + k0 * k_dim),
                                     reinterpret_cast<const bf16*>(qt.data()), st.data());
 #if defined(__AVX512BF16__)
         softmax_tile(st.data(), kn16, m, task_rows, first_pos, k0, row_max.data(),
-                     row_sum.data(), ot.data(), dim, fscale, StoreVnniPairs{pt.data(), m});
+                     row_sum.data(), ot.data(), v_dim, fscale, StoreVnniPairs{pt.data(), m});
 #else
         softmax_tile(st.data(), kn16, m, task_rows, first_pos, k0, row_max.data(),
-                     row_sum.data(), ot.data(), dim, fscale, StoreInPlace{st.data(), m});
+                     row_sum.data(), ot.data(), v_dim, fscale, StoreInPlace{st.data(), m});
         to_vnni_pairs(st.data(), kn16, m, pt.data());
 #endif
         at::native::cpublas::brgemm(
-            dim, m, kn16, kVRow, m, m, true,
-            reinterpret_cast<const bf16*>(values_t + k0 / kK * dim * kVRow),
+            v_dim, m, kn16, kVRow, m, m, true,
+            reinterpret_cast<const bf16*>(values_t + k0 / kK * v_dim * kVRow),
             reinterpret_cast<const bf16*>(pt.data()), ot.data());
       }
       for (int64_t g = 0; g < group; ++g) {
-        uint16_t* dst = op_out + (row0 * heads + t.kv_head * group + g) * dim;
+        uint16_t* dst = op_out + (row0 * heads + t.kv_head * group + g) * v_dim;
         int64_t i0 = 0;
 #if defined(__AVX512F__)
-        if (dim % 16 == 0)
+        if (v_dim % 16 == 0)
           for (; i0 < t.rows; i0 += 16)
-            store_rows_bf16(ot.data(), m, g * task_rows + i0, row_sum.data(), dim,
-                            std::min<int64_t>(16, t.rows - i0), dst + i0 * heads * dim,
-                            heads * dim);
+            store_rows_bf16(ot.data(), m, g * task_rows + i0, row_sum.data(), v_dim,
+                            std::min<int64_t>(16, t.rows - i0), dst + i0 * heads * v_dim,
+                            heads * v_dim);
 #endif
         for (int64_t i = i0; i < t.rows; ++i) {
           const int64_t c = g * task_rows + i;
           const float inv = 1.f / row_sum[c];
-          for (int64_t d = 0; d < dim; ++d) dst[i * heads * dim + d] = to_bf16(ot[d * m + c] * inv);
+          for (int64_t d = 0; d < v_dim; ++d)
+            dst[i * heads * v_dim + d] = to_bf16(ot[d * m + c] * inv);
         }
       }
     }
@@ -537,11 +573,12 @@ void register_prefill_attention_ops(py::module& m) {
         "on the matrix units, float32 softmax)",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("tables"),
         py::arg("q_start"), py::arg("q_lens"), py::arg("kv_lens"), py::arg("scale"),
-        py::arg("out"));
+        py::arg("out"), py::arg("sinks") = py::none());
   m.def("prefill_attention_available", &prefill_attention_available, release_gil(),
         "whether the prefill attention runs here (oneDNN's GEMM microkernel, an AVX-512 build)");
   m.def("paged_prefill_attention", &paged_prefill_attention, release_gil(),
         "causal attention of prompt chunks over the paged KV cache (float32, CPU)", py::arg("q"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("tables"), py::arg("q_start"),
-        py::arg("q_lens"), py::arg("kv_lens"), py::arg("scale"), py::arg("out"));
+        py::arg("q_lens"), py::arg("kv_lens"), py::arg("scale"), py::arg("out"),
+        py::arg("sinks") = py::none());
 }

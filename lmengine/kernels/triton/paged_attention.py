@@ -14,9 +14,19 @@ table serves the whole GQA group; a decode step fills GROUP_SIZE rows instead of
 over keys in tiles of BLOCK_N with an online (flash-attention) softmax in float32; QK^T and PV
 use tl.dot. head_dim is padded to the power of two HEAD_DIM (>= 16) with masks.
 
+Values may be narrower than keys (v_head_dim <= head_dim) and may be a view into the key cache
+(DeepSeek's MLA, absorbed: one latent cache of kv_lora_rank + rope_dim, its first kv_lora_rank
+elements the values). HEAD_DIM then pads v_head_dim: the first v_head_dim elements of q and k
+are one dot, the rest (the rope part, padded to HEAD_DIM_EXTRA) a second dot added to the
+scores, so 576 = 512 + 64 is not padded to 1024.
+
 With an int8 cache (QUANT) each K and V tile is loaded as int8 with its per-(slot, KV head)
 float32 scales from k_scale / v_scale, [num_blocks, block_size, num_kv_heads], and dequantized
 to q's dtype in registers before the dots.
+
+With learned sinks (HAS_SINKS: gpt-oss, one float32 logit per query head) each row's running
+max and sum start from its head's sink, as if it were one more key with a zero value, the way
+flash-attention kernels with sinks do: m = sink, l = exp(sink - m) = 1, acc = 0.
 """
 
 from __future__ import annotations
@@ -34,8 +44,8 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 def _paged_attention_kernel(
     q_ptr,  # [num_tokens, num_heads, head_dim]
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    out_ptr,  # [num_tokens, num_heads, head_dim]
+    v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, v_head_dim]
+    out_ptr,  # [num_tokens, num_heads, v_head_dim]
     block_tables_ptr,  # [num_seqs, max_num_blocks] int32
     q_start_loc_ptr,  # [num_seqs] int32
     q_lens_ptr,  # [num_seqs] int32
@@ -60,17 +70,21 @@ def _paged_attention_kernel(
     stride_ks_s,
     stride_vs_b,
     stride_vs_s,
-    head_dim,
+    sinks_ptr,  # [num_heads] float32 (HAS_SINKS only)
+    head_dim,  # of q and k
+    v_head_dim,  # of v and out, <= head_dim
     PAGE_SIZE: tl.constexpr,  # cache block size (tokens per block)
     GROUP_SIZE: tl.constexpr,  # query heads per kv head
     BLOCK_Q: tl.constexpr,  # queries per program, BLOCK_M // GROUP_SIZE
     BLOCK_M: tl.constexpr,  # rows of the query tile
     BLOCK_N: tl.constexpr,  # keys per tile
-    HEAD_DIM: tl.constexpr,  # head_dim padded to a power of two >= 16
+    HEAD_DIM: tl.constexpr,  # v_head_dim padded to a power of two >= 16
+    HEAD_DIM_EXTRA: tl.constexpr,  # head_dim - v_head_dim padded likewise; 0 when equal
     IEEE_DOT: tl.constexpr,  # float32 inputs: full-precision dot instead of tf32
     HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     QUANT: tl.constexpr,  # int8 cache with scales
+    HAS_SINKS: tl.constexpr,  # a learned logit per query head joins the softmax
 ):
     seq = tl.program_id(0)
     q_block = tl.program_id(1)
@@ -91,15 +105,25 @@ def _paged_attention_kernel(
     q_pos = history + q_idx  # [BLOCK_M] position of each row's query; it sees keys <= q_pos
     token = (q_start + q_idx).to(tl.int64)  # [BLOCK_M] packed token index
     offs_d = tl.arange(0, HEAD_DIM)  # [HEAD_DIM]
-    d_valid = offs_d < head_dim  # [HEAD_DIM]
+    d_valid = offs_d < v_head_dim  # [HEAD_DIM]
 
     q_mask = row_valid[:, None] & d_valid[None, :]  # [BLOCK_M, HEAD_DIM]
-    q_ptrs = q_ptr + token[:, None] * stride_q_t + head[:, None] * stride_q_h + offs_d[None, :]
-    q = tl.load(q_ptrs, mask=q_mask, other=0.0)  # [BLOCK_M, HEAD_DIM]
+    q_rows = q_ptr + token[:, None] * stride_q_t + head[:, None] * stride_q_h  # [BLOCK_M, 1]
+    q = tl.load(q_rows + offs_d[None, :], mask=q_mask, other=0.0)  # [BLOCK_M, HEAD_DIM]
+    if HEAD_DIM_EXTRA > 0:
+        offs_e = v_head_dim + tl.arange(0, HEAD_DIM_EXTRA)  # [HEAD_DIM_EXTRA]
+        e_valid = offs_e < head_dim  # [HEAD_DIM_EXTRA]
+        q_e_mask = row_valid[:, None] & e_valid[None, :]
+        q_e = tl.load(q_rows + offs_e[None, :], mask=q_e_mask, other=0.0)  # [BLOCK_M, EXTRA]
 
     # running max (finite start so fully masked padding rows never produce NaN), sum, output
-    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)  # [BLOCK_M]
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # [BLOCK_M]
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + head) * 1.4426950408889634  # [BLOCK_M], log2 units as s
+        m_i = tl.maximum(sink, -1.0e30)  # [BLOCK_M]
+        l_i = tl.exp2(sink - m_i)  # [BLOCK_M] 1, or 0 for a sink of -inf
+    else:
+        m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)  # [BLOCK_M]
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # [BLOCK_M]
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)  # [BLOCK_M, HEAD_DIM]
 
     # keys past the last query of this program are invisible to every row
@@ -130,6 +154,15 @@ def _paged_attention_kernel(
             s = tl.dot(q, k, input_precision="ieee")  # [BLOCK_M, BLOCK_N]
         else:
             s = tl.dot(q, k)
+        if HEAD_DIM_EXTRA > 0:
+            # the keys' elements past the values' (MLA's rope part): a second dot. NOTE: never
+            # with QUANT (_check: an int8 cache's values are as wide as its keys)
+            k_e_mask = e_valid[:, None] & kv_valid[None, :]  # [HEAD_DIM_EXTRA, BLOCK_N]
+            k_e = tl.load(k_head_ptr + k_offs[None, :] + offs_e[:, None], mask=k_e_mask, other=0.0)
+            if IEEE_DOT:
+                s += tl.dot(q_e, k_e, input_precision="ieee")
+            else:
+                s += tl.dot(q_e, k_e)
         s = s * sm_scale
         if HAS_SOFTCAP:
             # c * tanh(s / c), with tanh(x) = 1 - 2 / (exp(2x) + 1) (saturates cleanly)
@@ -174,14 +207,21 @@ def _check(
     meta: AttentionMetadata,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     op = "paged_attention_triton"
     if q.dim() != 3:
         raise ValueError(f"{op}: q must be [num_tokens, num_heads, head_dim], got {tuple(q.shape)}")
-    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+    if (
+        k_cache.dim() != 4
+        or v_cache.dim() != 4
+        or v_cache.shape[:3] != k_cache.shape[:3]
+        or v_cache.shape[3] > k_cache.shape[3]
+    ):
         raise ValueError(
             f"{op}: k_cache and v_cache must both be [num_blocks, block_size, num_kv_heads, "
-            f"head_dim], got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+            f"head_dim], values no wider than keys, got {tuple(k_cache.shape)} and "
+            f"{tuple(v_cache.shape)}"
         )
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[2]
@@ -208,6 +248,8 @@ def _check(
         if t.device != q.device:
             raise ValueError(f"{op}: {name} is on {t.device} but q is on {q.device}")
     if k_scale is not None:
+        if v_cache.shape[3] != k_cache.shape[3]:
+            raise ValueError(f"{op}: an int8 cache stores values as wide as keys (no MLA)")
         for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
             if t is None or t.dtype != torch.float32 or t.shape != k_cache.shape[:3]:
                 raise ValueError(
@@ -216,6 +258,16 @@ def _check(
                 )
             if t.stride(-1) != 1 or t.device != q.device:
                 raise ValueError(f"{op}: {name} must be on {q.device} with contiguous heads")
+    if sinks is not None and (
+        sinks.dtype != torch.float32
+        or sinks.shape != (num_heads,)
+        or sinks.stride(0) != 1
+        or sinks.device != q.device
+    ):
+        raise ValueError(
+            f"{op}: sinks must be float32 [{num_heads}] with unit stride on {q.device}, got "
+            f"{sinks.dtype} {tuple(sinks.shape)} on {sinks.device}"
+        )
     num_seqs = meta.q_lens.shape[0]
     if meta.block_tables.dim() != 2 or meta.block_tables.shape[0] != num_seqs:
         raise ValueError(
@@ -238,10 +290,11 @@ def _check(
 
 
 def _block_sizes(max_q_len: int, group_size: int, head_dim_padded: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_Q, BLOCK_N): rows cover whole GQA groups; tl.dot needs every dim >= 16."""
+    """(BLOCK_M, BLOCK_Q, BLOCK_N): rows cover whole GQA groups; tl.dot needs every dim >= 16.
+    Wide heads (MLA's 512 + 64) take narrower key tiles."""
     rows = max_q_len * group_size
     block_m = max(16, triton.next_power_of_2(group_size), min(64, triton.next_power_of_2(rows)))
-    block_n = 64 if head_dim_padded <= 128 else 32
+    block_n = 64 if head_dim_padded <= 128 else 32 if head_dim_padded <= 256 else 16
     return block_m, block_m // group_size, block_n
 
 
@@ -255,23 +308,32 @@ def paged_attention_triton(
     softcap: float | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    *,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q: [num_tokens, num_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size,
-    num_kv_heads, head_dim], already holding this step's keys (int8 with k_scale, v_scale:
-    [num_blocks, block_size, num_kv_heads] float32). `sliding_window` and `softcap` as in
+    """q: [num_tokens, num_heads, head_dim]; k_cache: [num_blocks, block_size, num_kv_heads,
+    head_dim], v_cache: [num_blocks, block_size, num_kv_heads, v_head_dim] (v_head_dim <=
+    head_dim; its own cache or a view into k_cache, MLA), already holding this step's keys
+    (int8 with k_scale, v_scale: [num_blocks, block_size, num_kv_heads] float32).
+    `sliding_window`, `softcap` and `sinks` ([num_heads] float32) as in
     lmengine.kernels.paged_attention (None = off).
-    Returns a new [num_tokens, num_heads, head_dim] tensor."""
-    _check(q, k_cache, v_cache, meta, k_scale, v_scale)
+    Returns a new [num_tokens, num_heads, v_head_dim] tensor."""
+    _check(q, k_cache, v_cache, meta, k_scale, v_scale, sinks)
     quant = k_scale is not None
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    num_tokens, num_heads, head_dim = q.shape
+    v_head_dim = v_cache.shape[3]
+    out = torch.empty(num_tokens, num_heads, v_head_dim, dtype=q.dtype, device=q.device)
     num_seqs = meta.q_lens.shape[0]
-    if q.shape[0] == 0 or num_seqs == 0 or meta.max_q_len == 0:
+    if num_tokens == 0 or num_seqs == 0 or meta.max_q_len == 0:
         return out
-    num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[2]
     group_size = num_heads // num_kv_heads
-    head_dim_padded = max(16, triton.next_power_of_2(head_dim))
-    block_m, block_q, block_n = _block_sizes(meta.max_q_len, group_size, head_dim_padded)
+    head_dim_padded = max(16, triton.next_power_of_2(v_head_dim))
+    extra = head_dim - v_head_dim
+    head_dim_extra = max(16, triton.next_power_of_2(extra)) if extra else 0
+    block_m, block_q, block_n = _block_sizes(
+        meta.max_q_len, group_size, head_dim_padded + head_dim_extra
+    )
     grid = (num_seqs, triton.cdiv(meta.max_q_len, block_q), num_kv_heads)
     _paged_attention_kernel[grid](
         q,
@@ -302,17 +364,21 @@ def paged_attention_triton(
         k_scale.stride(1) if quant else 0,
         v_scale.stride(0) if quant else 0,
         v_scale.stride(1) if quant else 0,
+        q if sinks is None else sinks,  # NOTE: an unused pointer without sinks
         head_dim,
+        v_head_dim,
         PAGE_SIZE=meta.block_size,
         GROUP_SIZE=group_size,
         BLOCK_Q=block_q,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         HEAD_DIM=head_dim_padded,
+        HEAD_DIM_EXTRA=head_dim_extra,
         IEEE_DOT=q.dtype == torch.float32,
         HAS_WINDOW=sliding_window is not None,
         HAS_SOFTCAP=softcap is not None,
         QUANT=quant,
-        num_warps=4,
+        HAS_SINKS=sinks is not None,
+        num_warps=4 if head_dim_padded + head_dim_extra <= 256 else 8,
     )
     return out
