@@ -36,6 +36,7 @@ _SOURCES = [
         "prefill_attention_ops.cpp",
         "bf16_ops.cpp",
         "decode_loop_ops.cpp",
+        "moe_ops.cpp",
     )
 ]
 # included by the sources: part of the build's hash

@@ -80,7 +80,12 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   return out;
 }
 
+void register_moe_ops(py::module& m);  // moe_ops.cpp
+
 void register_layer_ops(py::module& m) {
+  // NOTE: the MoE layer registers from here, not from cpu_ops.cpp's module definition, so that
+  // adding it left that file (edited by others at the time) alone
+  register_moe_ops(m);
   m.def("rms_norm", &rms_norm, release_gil(),
         "RMSNorm, after the residual add when given (float32, CPU)",
         py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("residual") = py::none());

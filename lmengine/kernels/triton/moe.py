@@ -2,10 +2,12 @@
 
 The (token, k) slots are sorted by expert and each expert's run is padded to a multiple of
 BLOCK_M (`align_by_expert`), so every BLOCK_M-row tile belongs to one expert. One kernel,
-launched twice, computes `c[slot] = a[slot // A_ROW_DIV] @ w[expert]^T` for the rows of a tile:
-first x -> gate/up (A_ROW_DIV = top_k: the slot's token row), then the activated product ->
-down, scaled by the router weight of the slot (MUL_WEIGHT). Padding slots hold the sentinel
-`num_slots` and are masked. The top-k outputs of a token are summed at the end.
+launched twice, computes `c[slot] = a[slot // A_ROW_DIV] @ w[expert]^T (+ bias[expert])` for
+the rows of a tile: first x -> gate/up (A_ROW_DIV = top_k: the slot's token row), then the
+activated product -> down, scaled by the router weight of the slot (MUL_WEIGHT). Padding slots
+hold the sentinel `num_slots` and are masked. The top-k outputs of a token are summed at the
+end; the activation between the two runs in torch (`gated`: act(gate) * up, or a
+GatedActivation's act(gate, up)).
 
 Layouts: a [rows, K] with a contiguous last dim, w [num_experts, N, K] (an nn.Linear weight per
 expert, as transformers stores Mixtral's experts), c [num_slots, N].
@@ -19,11 +21,14 @@ import torch
 import triton
 import triton.language as tl
 
+from lmengine.kernels.activation import GatedActivation, gated
+
 
 @triton.jit
 def _moe_gemm_kernel(
     a_ptr,  # [rows, K]
     w_ptr,  # [num_experts, N, K]
+    bias_ptr,  # [num_experts, N] (used when HAS_BIAS)
     c_ptr,  # [num_slots, N]
     sorted_slots_ptr,  # [num_padded] int64, slot ids in expert order; num_slots = padding
     tile_expert_ptr,  # [num_padded // BLOCK_M] int64, expert of each row tile
@@ -34,8 +39,10 @@ def _moe_gemm_kernel(
     stride_a_m,
     stride_w_e,
     stride_w_n,
+    stride_bias_e,
     stride_c_m,
     A_ROW_DIV: tl.constexpr,  # a row of slot s is s // A_ROW_DIV
+    HAS_BIAS: tl.constexpr,
     MUL_WEIGHT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -70,6 +77,9 @@ def _moe_gemm_kernel(
             acc += tl.dot(a, w, input_precision="ieee")
         else:
             acc += tl.dot(a, w)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + expert * stride_bias_e + offs_n, mask=n_valid, other=0.0)
+        acc = acc + bias.to(tl.float32)[None, :]
     if MUL_WEIGHT:
         scale = tl.load(weights_ptr + slots, mask=row_valid, other=0.0).to(tl.float32)
         acc = acc * scale[:, None]
@@ -109,6 +119,7 @@ def _grouped_gemm(
     num_slots: int,
     a_row_div: int,
     weights: torch.Tensor | None,
+    bias: torch.Tensor | None,
     block_m: int,
 ) -> torch.Tensor:
     n, k = w.shape[1], w.shape[2]
@@ -119,6 +130,7 @@ def _grouped_gemm(
     _moe_gemm_kernel[grid](
         a,
         w,
+        bias if bias is not None else w,
         c,
         sorted_slots,
         tile_expert,
@@ -129,8 +141,10 @@ def _grouped_gemm(
         a.stride(0),
         w.stride(0),
         w.stride(1),
+        bias.stride(0) if bias is not None else 0,
         c.stride(0),
         A_ROW_DIV=a_row_div,
+        HAS_BIAS=bias is not None,
         MUL_WEIGHT=weights is not None,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
@@ -146,11 +160,16 @@ def fused_moe_triton(
     w_down: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
-    act_fn: Callable[[torch.Tensor], torch.Tensor],
+    act_fn: Callable[[torch.Tensor], torch.Tensor] | GatedActivation,
     block_m: int = 16,
+    *,
+    b_gate_up: torch.Tensor | None = None,
+    b_down: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same contract as lmengine.kernels.moe.fused_moe_ref."""
-    for name, t in (("x", x), ("w_gate_up", w_gate_up), ("w_down", w_down)):
+    named = {"x": x, "w_gate_up": w_gate_up, "w_down": w_down}
+    named.update((k, v) for k, v in (("b_gate_up", b_gate_up), ("b_down", b_down)) if v is not None)
+    for name, t in named.items():
         if t.stride(-1) != 1:
             raise ValueError(f"fused_moe_triton: {name} must have a contiguous last dimension")
         if t.dtype != x.dtype or t.device != x.device:
@@ -159,10 +178,12 @@ def fused_moe_triton(
     num_slots = num_tokens * top_k
     sorted_slots, tile_expert = align_by_expert(topk_ids, w_gate_up.shape[0], block_m)
     gate_up = _grouped_gemm(
-        x, w_gate_up, sorted_slots, tile_expert, num_slots, top_k, None, block_m
+        x, w_gate_up, sorted_slots, tile_expert, num_slots, top_k, None, b_gate_up, block_m
     )
     gate, up = gate_up.chunk(2, dim=-1)  # [num_slots, inter] each
-    inner = (act_fn(gate) * up).contiguous()  # [num_slots, inter]
+    inner = gated(act_fn, gate, up).contiguous()  # [num_slots, inter]
     weights = topk_weights.flatten().to(x.dtype).contiguous()  # [num_slots]
-    y = _grouped_gemm(inner, w_down, sorted_slots, tile_expert, num_slots, 1, weights, block_m)
+    y = _grouped_gemm(
+        inner, w_down, sorted_slots, tile_expert, num_slots, 1, weights, b_down, block_m
+    )
     return y.view(num_tokens, top_k, -1).sum(1)  # [num_tokens, hidden]
