@@ -1,9 +1,13 @@
 """Tiny random Llamas written as GGUF files by the test (Q4_0, Q4_1 and Q8_0 blocks, the
 llama.cpp converter's rotary row order, SmolLM2's tokenizer), loaded through the real loading
 code: computing on their blocks (quant_policy="gguf") gives the greedy tokens of the float32
-model transformers expands the same file to."""
+model transformers expands the same file to. Then llama.cpp's files of Gemma 3, Qwen3-MoE and
+gpt-oss (expanded bit for bit to the checkpoint they were written from, blocks where read),
+and the files nothing reads: other architectures, tensor types, a model left unfilled."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -11,6 +15,7 @@ import pytest
 import torch
 
 from lmengine import Engine, EngineConfig, GenerationConfig
+from lmengine.engine.gguf_blocks import BLOCK_ARCHITECTURES
 from lmengine.engine.gguf_blocks import LLAMA_LINEARS as LAYER_TENSORS
 from lmengine.engine.loader import default_gguf_path, resolve_model_path
 from tests.conftest import save_tiny_llama
@@ -239,3 +244,327 @@ def test_gguf_blocks_with_speculative_decoding_and_prefix_caching(tmp_path, tiny
         assert stats["speculative"]["num_accepted_tokens"] > 0
         engine.check_integrity()
     assert [r.token_ids for r in first + rest] == expected
+
+
+# --- llama.cpp's files of other architectures ---------------------------------------------
+
+# GGUF architecture: (config class, model class, config overrides), shaped as llama.cpp's files
+# can state them
+TINY_ARCHITECTURES = {
+    # six layers: llama.cpp's Gemma 3 has five sliding-window layers, then a global one; a
+    # local rotary base of its own, a soft cap, and the embedding tied to the head, as Gemma's
+    "gemma3": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        dict(
+            num_hidden_layers=6,
+            head_dim=16,
+            query_pre_attn_scalar=16,
+            sliding_window=8,
+            final_logit_softcapping=8.0,
+            tie_word_embeddings=True,
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 5000.0},
+                "full_attention": {"rope_type": "default", "rope_theta": 50000.0},
+            },
+        ),
+    ),
+    # every other layer sliding, from the first (llama.cpp's pattern); yarn rotary scaling
+    "gpt-oss": (
+        "GptOssConfig",
+        "GptOssForCausalLM",
+        dict(
+            head_dim=16,
+            intermediate_size=32,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=8,
+            tie_word_embeddings=False,
+        ),
+    ),
+    # every layer routed: llama.cpp's Qwen3-MoE has no dense layers
+    "qwen3moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        dict(
+            head_dim=16,
+            num_experts=8,
+            num_experts_per_tok=3,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            tie_word_embeddings=False,
+        ),
+    ),
+}
+
+
+def save_tiny_arch(path, tokenizer_src: str, arch: str) -> str:
+    """A tiny random model of GGUF architecture `arch` with SmolLM2's tokenizer, its matrices
+    scaled up and its norms perturbed (as tests/test_models_parity.py's), saved to `path`."""
+    import transformers
+    from transformers import AutoTokenizer
+
+    config_cls, model_cls, overrides = TINY_ARCHITECTURES[arch]
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_src)
+    params = dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.eos_token_id,
+    )
+    params.update(overrides)
+    torch.manual_seed(0)
+    model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**params))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() > 1 and not name.endswith("_bias"):  # gpt-oss's [E, out] expert biases
+                p.mul_(8.0)
+            else:
+                p.add_(torch.randn_like(p) * 0.3)
+            if arch == "gemma3" and name.endswith("norm.weight"):
+                # NOTE: llama.cpp stores Gemma's norms as 1 + w in float32; weights that survive
+                # the round trip keep the expansion bit for bit equal to the checkpoint
+                p.copy_((p + 1) - 1)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def write_arch_gguf(path, hf_folder: str, arch: str, qtype=None) -> str:
+    """The checkpoint in `hf_folder` as llama.cpp's converter (convert_hf_to_gguf.py) writes a
+    file of `arch`: its metadata keys (TextModel.set_gguf_parameters and the architecture's
+    own), its tensor names (gguf's TensorNameMap), Gemma's norms as 1 + w, the experts of a
+    layer stacked [experts, out, in] (gpt-oss's gate and up apart, from transformers'
+    interleaved [experts, in, 2 * out]). Matrices in `qtype` (None: float32), except the
+    router's; norms, biases and sinks float32. SmolLM2's tokenizer."""
+    import re
+
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(hf_folder)
+    state = load_file(f"{hf_folder}/model.safetensors")
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    rope = cfg.rope_parameters
+    writer.add_rope_freq_base(rope.get("full_attention", rope)["rope_theta"])
+    if rope.get("rope_type") == "yarn":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        writer.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+        writer.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
+    if "sliding_attention" in rope:
+        writer.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_key_length(cfg.head_dim)
+    writer.add_value_length(cfg.head_dim)
+    if arch == "qwen3moe":
+        writer.add_expert_count(cfg.num_experts)
+        writer.add_expert_used_count(cfg.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    if arch == "gpt-oss":
+        writer.add_expert_count(cfg.num_local_experts)
+        writer.add_expert_used_count(cfg.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(cfg.intermediate_size)
+        writer.add_sliding_window(cfg.sliding_window)
+    if arch == "gemma3":
+        writer.add_final_logit_softcapping(cfg.final_logit_softcapping)
+        writer.add_sliding_window(cfg.sliding_window)
+    add_smollm2_tokenizer(writer)
+
+    arch_id = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
+    names = gguf.get_tensor_name_map(arch_id, cfg.num_hidden_layers)
+
+    def add(name: str, weight: torch.Tensor) -> None:
+        data = weight.float().contiguous().numpy()
+        if qtype is None or not name.endswith(".weight") or data.ndim < 2 or "gate_inp" in name:
+            writer.add_tensor(name, data)
+        else:
+            writer.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+
+    experts: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
+    for hf_name, weight in state.items():
+        fused = re.fullmatch(r"model\.layers\.(\d+)\.mlp\.experts\.(\w+)", hf_name)
+        if fused is not None:  # gpt-oss: [E, in, out] (gate and up interleaved on out)
+            blk, part = f"blk.{fused.group(1)}", fused.group(2)
+            stacked = weight.transpose(1, 2) if weight.dim() == 3 else weight  # [E, out(, in)]
+            if part.startswith("gate_up_proj"):
+                suffix = "bias" if part.endswith("_bias") else "weight"
+                add(f"{blk}.ffn_gate_exps.{suffix}", stacked[:, ::2])
+                add(f"{blk}.ffn_up_exps.{suffix}", stacked[:, 1::2])
+            else:
+                add(
+                    f"{blk}.ffn_down_exps.{'bias' if part.endswith('_bias') else 'weight'}", stacked
+                )
+            continue
+        if hf_name.endswith(".sinks"):  # gpt-oss's, a tensor of its own
+            add(f"{names.get_name(hf_name)}.weight", weight)
+            continue
+        expert = re.fullmatch(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)\.weight", hf_name)
+        if expert is not None:
+            layer, index, part = expert.groups()
+            experts.setdefault((int(layer), part), {})[int(index)] = weight
+            continue
+        base, suffix = hf_name.rsplit(".", 1)
+        if arch == "gemma3" and hf_name.endswith("norm.weight"):
+            weight = weight + 1  # Gemma3RMSNorm multiplies by 1 + w; llama.cpp's by w
+        add(f"{names.get_name(base)}.{suffix}", weight)
+    for (layer, part), by_index in sorted(experts.items()):
+        stacked = torch.stack([by_index[i] for i in sorted(by_index)])
+        add(f"{names.get_name(f'model.layers.{layer}.mlp.experts.{part}')}.weight", stacked)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return str(path)
+
+
+@pytest.fixture(scope="module", params=sorted(TINY_ARCHITECTURES))
+def tiny_arch(request, tmp_path_factory, smollm2_path) -> tuple[str, str]:
+    arch = request.param
+    return arch, save_tiny_arch(tmp_path_factory.mktemp(f"tiny_{arch}"), smollm2_path, arch)
+
+
+def _state(path: str) -> dict[str, torch.Tensor]:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
+
+
+def test_a_llama_cpp_file_expands_to_the_checkpoint_it_was_written_from(tmp_path, tiny_arch):
+    """Float32 tensors: transformers' expansion (with the settings lmengine puts back) holds the
+    checkpoint's config and weights bit for bit, and the engine on it gives the checkpoint's
+    greedy tokens, from threads, with chunked prompts and preemption."""
+    arch, hf_folder = tiny_arch
+    path = write_arch_gguf(tmp_path / f"tiny-{arch}-f32.gguf", hf_folder, arch)
+    expanded = resolve_model_path(path)
+    original, got_state = _state(hf_folder), _state(expanded)
+    assert sorted(got_state) == sorted(original)
+    assert all(torch.equal(got_state[k], original[k]) for k in original), arch
+    from transformers import AutoConfig
+
+    want, have = AutoConfig.from_pretrained(hf_folder), AutoConfig.from_pretrained(expanded)
+    for key in ["query_pre_attn_scalar", "layer_types", "rope_parameters", "sliding_window",
+                "final_logit_softcapping", "moe_intermediate_size", "num_experts_per_tok",
+                "norm_topk_prob", "head_dim", "tie_word_embeddings", "num_local_experts",
+                "intermediate_size"]:  # fmt: skip
+        assert getattr(have, key, None) == getattr(want, key, None), key
+
+    prompts = random_prompts([1, 6, 19, 40, 23], 49152, seed=3)
+    expected = hf_greedy(hf_folder, prompts, 12)
+    assert len({t for tokens in expected for t in tokens}) > 10
+    cfg = EngineConfig(
+        quant_policy="float", block_size=4, num_gpu_blocks=20, max_prefill_token_num=24
+    )
+    with Engine.from_pretrained(path, cfg) as engine:
+        assert type(engine.model_agent.runner.model).__name__.startswith("Patched")
+        got = run_threads(engine, prompts, GenerationConfig(max_new_tokens=12), together=True)
+        assert engine.stats()["num_preemptions"] > 0
+        engine.check_integrity()
+    assert [r.token_ids for r in got] == expected
+
+
+def test_their_attention_and_mlp_linears_compute_on_the_files_blocks(tmp_path, tiny_arch):
+    """Q8_0 matrices: quant_policy="gguf" puts the attention and dense MLP linears (and the LM
+    head's decode rows) on the file's blocks, the experts stay float32, and the greedy tokens
+    are those of transformers' expansion of the file. gpt-oss's blocks are not read: refused
+    under "gguf", its expansion by default."""
+    arch, hf_folder = tiny_arch
+    path = write_arch_gguf(tmp_path / f"tiny-{arch}-q8_0.gguf", hf_folder, arch, Q.Q8_0)
+    prompts = random_prompts([1, 6, 19, 40, 23], 49152, seed=4)
+    expected = hf_greedy(resolve_model_path(path), prompts, 12)
+    cfg = EngineConfig(quant_policy="gguf", block_size=4, num_gpu_blocks=64)
+    if arch not in BLOCK_ARCHITECTURES:
+        with pytest.raises(ValueError, match=f"this one is '{arch}'.*quant_policy=None"):
+            Engine.from_pretrained(path, cfg)
+        cfg = EngineConfig(block_size=4, num_gpu_blocks=64, dtype="float32")
+    with Engine.from_pretrained(path, cfg) as engine:
+        model = engine.model_agent.runner.model
+        kinds = [type(m).__name__ for m in model.modules()]
+        per_layer = {"gemma3": 4, "qwen3moe": 2}.get(arch, 0)  # qkv, o (and gate_up, down)
+        assert kinds.count("GGUFLinear") == per_layer * model.config.num_hidden_layers
+        assert kinds.count("GGUFHead") == (arch in BLOCK_ARCHITECTURES)
+        got = run_threads(engine, prompts, GenerationConfig(max_new_tokens=12))
+        engine.check_integrity()
+    assert [r.token_ids for r in got] == expected
+
+
+def _write_minimal_gguf(path, arch: str, tensors: dict) -> str:
+    """A file with the architecture `arch`, SmolLM2's tokenizer and `tensors` (name: (array,
+    raw GGML type or None))."""
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(1)
+    add_smollm2_tokenizer(writer)
+    for name, (data, raw_dtype) in tensors.items():
+        writer.add_tensor(name, data, raw_dtype=raw_dtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return str(path)
+
+
+@pytest.mark.parametrize("arch", ["deepseek2", "olmo2", "smollm3", "granite", "glm4"])
+def test_a_file_of_an_architecture_nothing_reads_is_refused_naming_it(tmp_path, arch):
+    """Refused before transformers is asked (whatever quant_policy: the file is expanded
+    first), naming the architecture and those that load."""
+    embedding = np.zeros((8, 64), dtype=np.float32)
+    tensors = {"token_embd.weight": (embedding, None)}
+    path = _write_minimal_gguf(tmp_path / f"{arch}.gguf", arch, tensors)
+    match = rf"GGUF architecture '{arch}' cannot be loaded: GGUF files of the architectures "
+    with pytest.raises(ValueError, match=match + r".*gemma3, .*gpt-oss, .*llama, .*qwen3moe"):
+        Engine.from_pretrained(path, EngineConfig(num_gpu_blocks=16))
+
+
+def test_a_file_whose_tensors_do_not_fill_the_model_is_refused(tmp_path, monkeypatch, smollm2_path):
+    """Where transformers reads an architecture's metadata but leaves weights of the model
+    unfilled or of another shape (here Qwen3-MoE's experts without the width lmengine puts
+    back), the error names them, instead of a model computing on random weights."""
+    from lmengine.engine import gguf_convert
+
+    hf_folder = save_tiny_arch(tmp_path / "hf", smollm2_path, "qwen3moe")
+    path = write_arch_gguf(tmp_path / "tiny-qwen3moe.gguf", hf_folder, "qwen3moe")
+    monkeypatch.setitem(gguf_convert.GGUF_CONFIG_FIXES, "qwen3moe", lambda config, reader: None)
+    match = r"architecture 'qwen3moe' is read, but 4 weights .*mlp\.experts\.down_proj"
+    with pytest.raises(ValueError, match=match):
+        Engine.from_pretrained(path, EngineConfig(num_gpu_blocks=16))
+
+
+def test_a_tensor_type_that_cannot_be_dequantized_is_refused_naming_it(tmp_path):
+    block_bytes = gguf.GGML_QUANT_SIZES[Q.Q8_K][1]
+    tensors = {
+        "token_embd.weight": (np.zeros((8, 64), dtype=np.float32), None),
+        "blk.0.attn_q.weight": (np.zeros((4, block_bytes), np.uint8), Q.Q8_K),  # 4 x 256
+    }
+    path = _write_minimal_gguf(tmp_path / "q8_k.gguf", "llama", tensors)
+    match = "tensor blk.0.attn_q.weight is stored as Q8_K, a type the gguf package cannot"
+    for policy in [None, "float", "gguf"]:
+        with pytest.raises(ValueError, match=match):
+            Engine.from_pretrained(path, EngineConfig(num_gpu_blocks=16, quant_policy=policy))
+
+
+def test_a_tensor_type_the_gguf_package_does_not_know_is_refused_naming_it(tmp_path):
+    """A file newer than the installed gguf package: a type id it has no name for."""
+    import struct
+
+    tensors = {"token_embd.weight": (np.zeros((8, 64), dtype=np.float32), None)}
+    path = tmp_path / "new-type.gguf"
+    data = bytearray(Path(_write_minimal_gguf(path, "llama", tensors)).read_bytes())
+    end = data.index(b"token_embd.weight") + len(b"token_embd.weight")
+    (num_dims,) = struct.unpack_from("<I", data, end)
+    struct.pack_into("<I", data, end + 4 + 8 * num_dims, 250)  # the tensor's type id
+    path.write_bytes(data)
+    with pytest.raises(ValueError, match="a tensor of GGML type 250, a type the installed gguf"):
+        Engine.from_pretrained(str(path), EngineConfig(num_gpu_blocks=16))

@@ -7,10 +7,16 @@ transformers parameter name the converted checkpoint uses
 (`model.layers.3.self_attn.q_proj.weight`). The blocks expand bit for bit to that checkpoint's
 float32 weights (both are `gguf.quants.dequantize`'s values); `check_blocks` verifies it.
 
+Blocks are read for the architectures of `BLOCK_ARCHITECTURES`, whose attention and dense MLP
+linears carry Llama's tensor names (a Qwen3-MoE file's experts are not read: they stay float32).
 llama.cpp's converter stores the rows of a Llama model's query and key projections reordered
 for its rotary layout (per head, the two halves of the rotated dimensions interleaved); the
 rows are put back here, as transformers does when it expands the file. A row permutation
-moves whole rows of blocks, so the blocks stay as they are.
+moves whole rows of blocks, so the blocks stay as they are. Gemma 3's and Qwen3-MoE's rows are
+stored in transformers' order.
+
+`open_gguf(path)` opens a file for reading, with a clear error for a cut one or for a tensor
+type the installed gguf package does not know.
 """
 
 from __future__ import annotations
@@ -33,7 +39,10 @@ LLAMA_LINEARS = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# GGUF architecture whose linears are read -> whether llama.cpp reordered its query / key rows
+BLOCK_ARCHITECTURES = {"llama": True, "gemma3": False, "qwen3moe": False}
 _BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
+_UNKNOWN_TYPE = re.compile(r"(\d+)\)? is not a valid GGMLQuantizationType")
 
 
 @dataclass
@@ -52,7 +61,8 @@ class GGUFWeight:
         return dequantize(self.blocks, self.qtype, self.in_features)
 
 
-def _field(reader, key: str):
+def gguf_field(reader, key: str):
+    """The value of the metadata field `key` (a number or a string), None where it is absent."""
     field = reader.fields.get(key)
     if field is None:
         return None
@@ -67,25 +77,46 @@ def _unpermute_rows(blocks: torch.Tensor, num_heads: int) -> torch.Tensor:
     return blocks.reshape(num_heads, half, 2, -1).transpose(1, 2).reshape(rows, -1).contiguous()
 
 
-def read_gguf_blocks(path: str) -> dict[str, GGUFWeight]:
-    """Every linear weight, token embedding and output head that the GGUF file at `path` stores
-    in a supported block type, by transformers parameter name. Other tensors (norms, float
-    weights) are not included."""
+def open_gguf(path: str):
+    """A `gguf.GGUFReader` over the file at `path` (memory-mapped: no tensor is read yet).
+    Raises ValueError for a truncated or damaged file, and for a tensor type unknown to the
+    installed gguf package (a file newer than the package), naming the type's id."""
     from gguf import GGUFReader
 
     try:
-        reader = GGUFReader(path)
-    except (ValueError, IndexError, KeyError) as e:  # the reader's ways of meeting a cut file
+        return GGUFReader(path)
+    except ValueError as e:
+        unknown = _UNKNOWN_TYPE.search(str(e))  # "np.uint32(42) is not a valid GGMLQuant..."
+        if unknown is not None:
+            raise ValueError(
+                f"{path} holds a tensor of GGML type {unknown.group(1)}, a type the installed gguf "
+                "package does not know: upgrade it (pip install -U gguf)"
+            ) from None
         raise ValueError(
             f"{path} is not a complete GGUF file (truncated or damaged): {type(e).__name__}: {e}"
         ) from None
-    arch = _field(reader, "general.architecture")
-    if arch != "llama":
+    except (IndexError, KeyError) as e:  # the reader's other ways of meeting a cut file
         raise ValueError(
-            f"{path}: GGUF blocks are read for Llama-architecture files only, this one is {arch!r}"
+            f"{path} is not a complete GGUF file (truncated or damaged): {type(e).__name__}: {e}"
+        ) from None
+
+
+def read_gguf_blocks(path: str) -> dict[str, GGUFWeight]:
+    """Every linear weight, token embedding and output head that the GGUF file at `path` stores
+    in a supported block type, by transformers parameter name. Other tensors (norms, float
+    weights, MoE experts) are not included."""
+    reader = open_gguf(path)
+    arch = gguf_field(reader, "general.architecture")
+    if arch not in BLOCK_ARCHITECTURES:
+        # NOTE: "Llama-architecture" here means Llama's linears and tensor names
+        raise ValueError(
+            f"{path}: GGUF blocks are read for Llama-architecture files only, this one is "
+            f"{arch!r} (read: {', '.join(BLOCK_ARCHITECTURES)}); quant_policy=None or 'float' "
+            "computes on its float32 expansion instead"
         )
-    num_heads = _field(reader, f"{arch}.attention.head_count")
-    num_kv_heads = _field(reader, f"{arch}.attention.head_count_kv") or num_heads
+    permuted = BLOCK_ARCHITECTURES[arch]
+    num_heads = gguf_field(reader, f"{arch}.attention.head_count")
+    num_kv_heads = gguf_field(reader, f"{arch}.attention.head_count_kv") or num_heads
     supported = set(QTYPES.values())
     out: dict[str, GGUFWeight] = {}
     for tensor in reader.tensors:
@@ -105,9 +136,9 @@ def read_gguf_blocks(path: str) -> dict[str, GGUFWeight]:
         blocks = torch.from_numpy(np.array(tensor.data, dtype=np.uint8))
         in_features = int(tensor.shape[0])  # GGUF lists the fastest dimension first
         check_qtype(qtype, in_features, blocks.shape[1])
-        if name.endswith("q_proj.weight"):
+        if permuted and name.endswith("q_proj.weight"):
             blocks = _unpermute_rows(blocks, num_heads)
-        elif name.endswith("k_proj.weight"):
+        elif permuted and name.endswith("k_proj.weight"):
             blocks = _unpermute_rows(blocks, num_kv_heads)
         out[name] = GGUFWeight(blocks, qtype, in_features)
     return out

