@@ -64,6 +64,7 @@ TEST_KINDS = {
         "test_hf_parity.py",
         "test_kv_int8.py",
         "test_lora.py",
+        "test_mla.py",
         "test_models_parity.py",
         "test_prefix_cache_engine.py",
         "test_research.py",

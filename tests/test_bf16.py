@@ -64,7 +64,13 @@ def test_smollm2_bfloat16_follows_transformers(smollm2_path, smol_case, fields):
         engine.check_integrity()
 
 
-@pytest.fixture(scope="module", params=sorted(ARCHITECTURES))
+# architectures whose tiny random model leaves float32's greedy path within a few bfloat16
+# tokens in transformers itself, so that two correct bfloat16 implementations part at more
+# than a near tie: checked by their logits' distance from float32 instead (below)
+FAR_FROM_FLOAT32_IN_BF16 = {"gpt_oss"}
+
+
+@pytest.fixture(scope="module", params=sorted(set(ARCHITECTURES) - FAR_FROM_FLOAT32_IN_BF16))
 def bf16_arch_case(request, tmp_path_factory, smollm2_path):
     from transformers import AutoConfig
 
@@ -84,6 +90,38 @@ def test_every_architecture_in_bfloat16(bf16_arch_case):
         got = run_threads(engine, prompts, gen)
         check_greedy_against(got, reference, BF16_TIE_MARGIN, BF16_LOGPROB_TOL, 0.5)
         engine.check_integrity()
+
+
+@pytest.mark.parametrize("name", sorted(FAR_FROM_FLOAT32_IN_BF16))
+def test_bfloat16_logits_are_as_close_to_float32_as_transformers(name, tmp_path, smollm2_path):
+    """gpt-oss's tiny model in bfloat16: transformers' own greedy output leaves its float32
+    output at the 7th token of one prompt, and lmengine's and transformers' bfloat16 outputs
+    part a few tokens later by rounding alone (each layer's output within ~2 bfloat16 ulps of
+    the other's). So: every position's logits of lmengine in bfloat16 (one packed prefill
+    through the patched model: sinks, windows, experts in bfloat16) are no farther from the
+    float32 logits than transformers' bfloat16 logits are."""
+    from transformers import AutoModelForCausalLM
+
+    from lmengine.models import patch
+    from tests.test_models_parity import patched_logits
+
+    path = save_tiny_model(tmp_path / name, smollm2_path, name)
+    prompts = random_prompts(
+        [33, 40, 17], AutoModelForCausalLM.from_pretrained(path).config.vocab_size, 2
+    )
+
+    def hf_logits(dtype):
+        model = load_hf(path, dtype, torch.device("cpu"))
+        with torch.inference_mode():
+            return torch.cat([model(torch.tensor([p])).logits[0].float() for p in prompts])
+
+    exact, theirs = hf_logits(torch.float32), hf_logits(torch.bfloat16)
+    ours = patched_logits(
+        patch(load_hf(path, torch.bfloat16, torch.device("cpu"))), prompts, dtype=torch.bfloat16
+    )
+    their_error = (theirs - exact).abs().mean()
+    our_error = (ours.float() - exact).abs().mean()
+    assert our_error <= 1.5 * their_error, (float(our_error), float(their_error))
 
 
 def test_the_compiled_bfloat16_paths_run(smollm2_path, monkeypatch):

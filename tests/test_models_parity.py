@@ -73,6 +73,50 @@ ARCHITECTURES = {
             mlp_only_layers=[0],
         ),
     ),
+    # MLA (q through its low-rank path) over a latent cache; layer 0 dense, layer 1 routed
+    # over 8 experts in 4 groups (best 2 groups) plus a shared expert
+    "deepseek_v3": (
+        "DeepseekV3Config",
+        "DeepseekV3ForCausalLM",
+        dict(
+            num_key_value_heads=None,
+            q_lora_rank=48,
+            kv_lora_rank=32,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=16,
+            n_routed_experts=8,
+            num_experts_per_tok=3,
+            n_group=4,
+            topk_group=2,
+            n_shared_experts=1,
+            moe_intermediate_size=32,
+            first_k_dense_replace=1,
+            routed_scaling_factor=2.5,
+        ),
+    ),
+    # attention sinks, a sliding and a full layer, YaRN rotary, biased experts
+    "gpt_oss": (
+        "GptOssConfig",
+        "GptOssForCausalLM",
+        dict(
+            head_dim=16,
+            intermediate_size=32,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            sliding_window=WINDOW,
+            layer_types=["sliding_attention", "full_attention"],
+            rope_parameters=dict(
+                rope_type="yarn",
+                rope_theta=150000.0,
+                factor=4.0,
+                original_max_position_embeddings=64,
+                beta_fast=32.0,
+                beta_slow=1.0,
+                truncate=False,
+            ),
+        ),
+    ),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
     # layer 1 without rotary
     "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", dict(no_rope_layers=[1, 0])),
@@ -153,11 +197,14 @@ def save_tiny_model(path, tokenizer_src: str, name: str, seed: int = 0) -> str:
     # Norm weights and biases start as constants (ones or zeros): perturb them, or a patch
     # that dropped a bias or swapped two of Gemma 2's norms would go unnoticed.
     with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
+        for name, p in model.named_parameters():
+            if p.dim() > 1 and not name.endswith("_bias"):  # gpt-oss's [E, out] expert biases
                 p.mul_(8.0)
             else:
                 p.add_(torch.randn_like(p) * 0.3)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek's routing correction
+                b.add_(torch.randn_like(b) * 0.3)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return str(path)
@@ -199,9 +246,11 @@ def test_architecture_matches_transformers(arch_case, engine_config):
         engine.close()
 
 
-def patched_logits(model, prompts: list[list[int]], block_size: int = 4) -> torch.Tensor:
+def patched_logits(
+    model, prompts: list[list[int]], block_size: int = 4, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """Logits of every prompt token from one packed prefill of the patched `model`
-    (already patched), with a fresh paged cache: [sum(len(p)), vocab]."""
+    (already patched), with a fresh paged cache in `dtype`: [sum(len(p)), vocab]."""
     from lmengine.kernels import AttentionMetadata
     from lmengine.models.context import StepContext, step_context
     from lmengine.models.model_info import ModelInfo
@@ -214,7 +263,14 @@ def patched_logits(model, prompts: list[list[int]], block_size: int = 4) -> torc
         tables.append(list(range(next_block, next_block + num)))
         next_block += num
     shape = (next_block, block_size, info.num_kv_heads, info.head_dim)
-    caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(info.num_layers)]
+    if info.latent_dim is None:
+        caches = [
+            (torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
+            for _ in range(info.num_layers)
+        ]
+    else:  # a latent cache: v is the first latent_dim dims of k
+        keys = [torch.zeros(shape, dtype=dtype) for _ in range(info.num_layers)]
+        caches = [(k, k[..., : info.latent_dim]) for k in keys]
     positions = torch.cat([torch.arange(n) for n in lens])
     slots = torch.cat(
         [

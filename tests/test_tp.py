@@ -141,7 +141,7 @@ def test_tp2_with_speculative_decoding_equals_tp1(tiny_llama_path, method):
     "arch",
     [
         *("qwen2", "qwen3", "mistral", "gemma2", "gemma3", "phi3", "glm4", "granite"),
-        "qwen3_moe",
+        *("qwen3_moe", "deepseek_v3"),
     ],
 )
 def test_tp2_equals_tp1_on_other_architectures(arch, tmp_path, smollm2_path):
@@ -149,7 +149,8 @@ def test_tp2_equals_tp1_on_other_architectures(arch, tmp_path, smollm2_path):
     (Qwen3), a sliding window (Mistral), soft-caps, alternating windows and four norms per
     layer (Gemma 2), local and global rotary bases (Gemma 3), q/k/v and gate/up fused in the
     checkpoint (Phi-3, GLM-4), multipliers (Granite), experts split over the ranks
-    (Qwen3-MoE). Tiny random models of the parity tests, several requests batched."""
+    (Qwen3-MoE, DeepSeek-V3 with its shared experts and replicated latent attention). Tiny
+    random models of the parity tests, several requests batched."""
     from tests.test_models_parity import save_tiny_model
 
     path = save_tiny_model(tmp_path / arch, smollm2_path, arch)

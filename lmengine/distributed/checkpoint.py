@@ -121,6 +121,8 @@ def materialize(
             name = f"{module_name}.{bname}" if module_name else bname
             if buf is None or name not in load:
                 continue
+            if not buf.is_meta and any(p.key not in reader.weight_map for p in load[name]):
+                continue  # a buffer the checkpoint does not hold keeps its initial value
             parts = [reader.read(p, buf) for p in load[name]]
             t = parts[0] if len(parts) == 1 else torch.cat(parts)
             if tuple(t.shape) != tuple(buf.shape):

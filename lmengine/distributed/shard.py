@@ -210,6 +210,11 @@ def shard_model(model: nn.Module, rank: int, tp: int) -> LoadPlan:
         else:
             for pname, _ in module.named_parameters(recurse=False):
                 load[f"{name}.{pname}"] = [Piece(f"{name}.{pname}", None)]
+        # persistent buffers a checkpoint may hold (DeepSeek's routing correction bias)
+        for bname, _ in module.named_buffers(recurse=False):
+            key = _prefixed(name, bname)
+            if bname not in module._non_persistent_buffers_set and key not in load:
+                load[key] = [Piece(key, None)]
     return load
 
 
@@ -229,8 +234,7 @@ def _shard_experts(
     start, stop = 0, num_experts
     if num_experts % tp == 0:
         start, stop = rank * num_experts // tp, (rank + 1) * num_experts // tp
-        block.lmengine_expert_range = (start, stop)
-        _add_all_reduce(block)
+        block.lmengine_expert_range = (start, stop)  # the block sums its experts over ranks
     for pname, param in module.named_parameters(recurse=False):
         key = f"{name}.{pname}"
         if param.shape[0] == num_experts and (start, stop) != (0, num_experts):

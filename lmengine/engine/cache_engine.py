@@ -6,7 +6,10 @@ copies it performs are the ones a SchedulerOutput lists.
 Each layer's cache is a tuple of tensors indexed by block id on their first dimension:
 (k, v) in the model's dtype, or with kv_cache_dtype="int8" (k, v, k_scale, v_scale): int8
 pages and one float32 scale per (slot, KV head) (lmengine/kernels/kv_quant.py). Swaps and
-copies move every tensor of the tuple, so the scales always travel with their blocks.
+copies move every tensor of the tuple, so the scales always travel with their blocks. A
+latent cache (multi-head latent attention) is one tensor per layer, [latent | rope key] per
+token, and its v is a view of k's first `latent_dim` dims: the tuple is still (k, v), and
+only k moves.
 """
 
 from __future__ import annotations
@@ -31,13 +34,30 @@ class CacheSpec:
     block_size: int
     dtype: torch.dtype  # the model's (compute) dtype
     kv_cache_dtype: str = "auto"  # "auto": K/V stored in `dtype`; "int8": int8 + scales
+    latent_dim: int | None = None  # a latent cache: v is k's first latent_dim dims
+
+    def __post_init__(self) -> None:
+        if self.latent_dim is not None and self.quantized:
+            raise ValueError(
+                "kv_cache_dtype='int8' is not supported for multi-head latent attention "
+                "(DeepSeek): its cache already holds one compressed latent per token, not "
+                "per-head keys and values; use kv_cache_dtype='auto'"
+            )
 
     @classmethod
     def for_model(cls, info, cfg, dtype: torch.dtype, num_kv_heads: int | None = None) -> CacheSpec:
         """The block shape of a model (`ModelInfo`) under an `EngineConfig`; `num_kv_heads`:
         a tensor-parallel rank's share of the KV heads (default: all of them)."""
         heads = info.num_kv_heads if num_kv_heads is None else num_kv_heads
-        return cls(info.num_layers, heads, info.head_dim, cfg.block_size, dtype, cfg.kv_cache_dtype)
+        return cls(
+            info.num_layers,
+            heads,
+            info.head_dim,
+            cfg.block_size,
+            dtype,
+            cfg.kv_cache_dtype,
+            getattr(info, "latent_dim", None),
+        )
 
     @property
     def quantized(self) -> bool:
@@ -50,18 +70,23 @@ class CacheSpec:
             row = self.head_dim + 4  # int8 values and one float32 scale per (slot, head)
         else:
             row = self.head_dim * torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * row
+        tensors = 1 if self.latent_dim is not None else 2  # a latent cache has no separate v
+        return tensors * self.num_layers * self.block_size * self.num_kv_heads * row
 
     @property
     def gather_token_bytes(self) -> int:
         """K + V bytes of one token in one layer once read for attention, in `dtype` (what the
         CPU gather path materialises, int8 or not)."""
         elem = torch.empty((), dtype=self.dtype).element_size()
+        if self.latent_dim is not None:  # the latent blocks are read once, for k and v
+            return self.num_kv_heads * self.head_dim * elem
         return 2 * self.num_kv_heads * self.head_dim * elem
 
     def layer_tensors(self, num_blocks: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
         """(shape, dtype) of each tensor of one layer's cache tuple for `num_blocks` blocks."""
         page = (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        if self.latent_dim is not None:
+            return [(page, self.dtype)]  # v: a view of it (`layer_cache`)
         if not self.quantized:
             return [(page, self.dtype)] * 2
         return [(page, torch.int8)] * 2 + [(page[:3], torch.float32)] * 2
@@ -156,15 +181,24 @@ class CacheEngine:
         self.num_cpu_blocks = num_cpu_blocks
         device_layer = spec.layer_tensors(num_gpu_blocks)
         self.kv_caches = [
-            tuple(_zeros(shape, dtype, device) for shape, dtype in device_layer)
+            self._layer([_zeros(shape, dtype, device) for shape, dtype in device_layer])
             for _ in range(spec.num_layers)
         ]
         pin = device.type == "cuda"
         host_layer = spec.layer_tensors(num_cpu_blocks)
         self.host_caches = [
-            tuple(torch.zeros(shape, dtype=dtype, pin_memory=pin) for shape, dtype in host_layer)
+            self._layer(
+                [torch.zeros(shape, dtype=dtype, pin_memory=pin) for shape, dtype in host_layer]
+            )
             for _ in range(spec.num_layers if num_cpu_blocks else 0)
         ]
+
+    def _layer(self, tensors: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """One layer's cache tuple from its own tensors: a latent cache's v is a view of k."""
+        if self.spec.latent_dim is None:
+            return tuple(tensors)
+        (k,) = tensors
+        return k, k[..., : self.spec.latent_dim]
 
     def _move(self, src_caches, dst_caches, pairs: list[tuple[int, int]]) -> None:
         if not pairs:
@@ -173,8 +207,9 @@ class CacheEngine:
         dst_ids = torch.tensor([p[1] for p in pairs])
         # NOTE: index_copy_, not `dst[ids] = ...`: on CPU that index_put took ~10 ms per
         # tensor of a 20k-block pool whatever the number of blocks moved (index_copy_: 0.02 ms)
+        owned = 1 if self.spec.latent_dim is not None else None  # a latent v is k's view
         for src_layer, dst_layer in zip(src_caches, dst_caches):
-            for src, dst in zip(src_layer, dst_layer):  # K, V (and their scales)
+            for src, dst in zip(src_layer[:owned], dst_layer[:owned]):  # K, V (and scales)
                 moved = src.index_select(0, src_ids.to(src.device)).to(dst.device)
                 dst.index_copy_(0, dst_ids.to(dst.device), moved)
 

@@ -6,7 +6,7 @@ separate, biased) and calls `self.paged_attend(q, k, v)`. It reads `self.layer_i
 `self.head_dim`, `self.scaling` (set by transformers' attention `__init__`), and optionally
 `self.sliding_window` and `self.attn_logit_softcapping` (None = off). A layer whose position
 encoding differs from the model's (no rope at all, another base) overrides `rotary`; one whose
-rotation pairs differ overrides `rotate`.
+rotation pairs differ overrides `rotate`; one with learned sinks (gpt-oss), `attention_sinks`.
 """
 
 from __future__ import annotations
@@ -52,6 +52,14 @@ class PagedAttentionMixin:
         model's, from the step context (SmolLM3's no-rope layers and Gemma 3's local layers
         override)."""
         return None if ctx.cos is None else (ctx.cos, ctx.sin)
+
+    def attention_sinks(self) -> torch.Tensor | None:
+        """A learned logit per head with no value, one more term in each softmax's
+        denominator (gpt-oss overrides); None here.
+
+        NOTE: a method, not a class attribute: an attribute named like the HF module's
+        `sinks` parameter would hide it."""
+        return None
 
     def rotate(
         self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -100,6 +108,7 @@ class PagedAttentionMixin:
             self.sliding_window,
             self.attn_logit_softcapping,
             *scales,
+            sinks=self.attention_sinks(),
         )
         return out.view(num_tokens, -1)
 

@@ -155,6 +155,7 @@ def _build(layers: list[nn.Module], classes: LayerClasses) -> _Built | None:
         if not (
             _same(attn, classes.attention, "forward")
             and _same(attn, PagedAttentionMixin, "paged_attend", "norm_qk", "rotary", "rotate")
+            and _same(attn, PagedAttentionMixin, "attention_sinks")
             and attn.layer_idx == i  # the loop hands layer i the i-th cache
             and attn.sliding_window is None
             and attn.attn_logit_softcapping is None

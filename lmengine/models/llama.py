@@ -38,6 +38,26 @@ class PatchedRMSNorm(LlamaRMSNorm):
         return add_rms_norm(x, residual, self.weight, self.variance_epsilon)
 
 
+class WeightInFloat32Norm:
+    """Mixed in before PatchedRMSNorm for norms that multiply the weight into the float32
+    normalised row and round once (transformers' OLMo 2 and gpt-oss norms; Llama's rounds the
+    row first). The same as PatchedRMSNorm in float32, where there is nothing to round."""
+
+    weight: torch.Tensor
+    variance_epsilon: float
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if x.dtype == torch.float32:
+            return super().forward(x, residual)  # type: ignore[misc]
+        summed = x if residual is None else residual + x  # rounded, as transformers adds
+        xf = summed.float()
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        out = (self.weight.float() * normed).to(x.dtype)
+        return out if residual is None else (out, summed)
+
+
 class PatchedLlamaMLP(LlamaMLP):
     """SwiGLU with gate and up projections fused into one GEMM."""
 

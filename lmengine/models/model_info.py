@@ -16,6 +16,10 @@ class ModelInfo:
     hidden_size: int
     max_position_embeddings: int
     eos_token_ids: tuple[int, ...]
+    # multi-head latent attention (DeepSeek): the cache holds one "head" per token, the latent
+    # and the rope key ([latent_dim + rope dim] = head_dim), and the values are its first
+    # latent_dim dims. None: keys and values per KV head.
+    latent_dim: int | None = None
 
     @classmethod
     def from_hf(cls, config, generation_config=None) -> ModelInfo:
@@ -29,14 +33,19 @@ class ModelInfo:
             eos = []
         elif isinstance(eos, int):
             eos = [eos]
+        num_kv_heads = getattr(text, "num_key_value_heads", None) or num_heads
+        latent_dim = getattr(text, "kv_lora_rank", None)
+        if latent_dim is not None:  # MLA: one latent "head" of latent + rope key per token
+            num_kv_heads, head_dim = 1, latent_dim + text.qk_rope_head_dim
         return cls(
             architecture=(getattr(config, "architectures", None) or ["?"])[0],
             vocab_size=text.vocab_size,
             num_layers=text.num_hidden_layers,
             num_heads=num_heads,
-            num_kv_heads=getattr(text, "num_key_value_heads", None) or num_heads,
+            num_kv_heads=num_kv_heads,
             head_dim=head_dim,
             hidden_size=text.hidden_size,
             max_position_embeddings=getattr(text, "max_position_embeddings", None) or 2048,
             eos_token_ids=tuple(eos),
+            latent_dim=latent_dim,
         )

@@ -69,6 +69,31 @@ MODULE_MAP: dict[str, str] = {
         ],
     ),
     **_family(
+        "deepseek_v3.modeling_deepseek_v3",
+        "deepseek",
+        [
+            "DeepseekV3ForCausalLM",
+            "DeepseekV3Model",
+            "DeepseekV3DecoderLayer",
+            "DeepseekV3Attention",
+            "DeepseekV3MLP",
+            "DeepseekV3MoE",
+            "DeepseekV3RMSNorm",
+        ],
+    ),
+    **_family(
+        "gpt_oss.modeling_gpt_oss",
+        "gpt_oss",
+        [
+            "GptOssForCausalLM",
+            "GptOssModel",
+            "GptOssDecoderLayer",
+            "GptOssAttention",
+            "GptOssMLP",
+            "GptOssRMSNorm",
+        ],
+    ),
+    **_family(
         "opt.modeling_opt",
         "opt",
         ["OPTForCausalLM", "OPTModel", "OPTDecoder", "OPTDecoderLayer", "OPTAttention"],

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from lmengine.distributed.comm import all_reduce
 from lmengine.kernels.moe import fused_moe, pack_experts
 
 
@@ -36,9 +37,19 @@ class ExpertsMixin:
     lmengine_expert_range: tuple[int, int] | None = None
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.run_experts(hidden_states)
+
+    def run_experts(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The routed experts' weighted sum [num_tokens, H] (under tensor parallelism: summed
+        over the ranks, each holding some of the experts)."""
         topk_weights, topk_ids = self.route(hidden_states)
-        if self.lmengine_expert_range is not None:
-            topk_weights, topk_ids = local_slots(topk_weights, topk_ids, self.lmengine_expert_range)
+        expert_range = self.lmengine_expert_range
+        if expert_range is not None:
+            topk_weights, topk_ids = local_slots(topk_weights, topk_ids, expert_range)
+        out = self._fused(hidden_states, topk_weights, topk_ids)
+        return out if expert_range is None else all_reduce(out)
+
+    def _fused(self, hidden_states, topk_weights, topk_ids) -> torch.Tensor:
         experts = self.experts
         return fused_moe(
             hidden_states,

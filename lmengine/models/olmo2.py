@@ -25,10 +25,11 @@ from lmengine.models.llama import (
     PatchedLlamaMLP,
     PatchedLlamaModel,
     PatchedRMSNorm,
+    WeightInFloat32Norm,
 )
 
 
-class PatchedOlmo2RMSNorm(PatchedRMSNorm, Olmo2RMSNorm):
+class PatchedOlmo2RMSNorm(WeightInFloat32Norm, PatchedRMSNorm, Olmo2RMSNorm):
     pass
 
 
