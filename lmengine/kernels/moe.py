@@ -35,9 +35,9 @@ ActFn = Callable[[torch.Tensor], torch.Tensor] | GatedActivation
 
 # the activation codes of csrc/moe_ops.cpp
 _SILU, _GELU_TANH, _CLAMPED_SWIGLU = 0, 1, 2
-# Rows of one expert from which the compiled layer runs its GEMMs on oneDNN's brgemm (weight
-# blocks re-laid out in cache) instead of streaming the weights through dot products
-_GEMM_ROWS = {torch.float32: 16, torch.bfloat16: 16}
+# Rows of one bfloat16 expert from which the compiled layer runs its GEMMs on AMX tiles (where
+# built) instead of dot products; below, the dot products stream the weights faster
+_AMX_ROWS = 8
 
 
 def fused_moe_ref(
@@ -167,12 +167,12 @@ def fused_moe_compiled(
     *,
     b_gate_up: torch.Tensor | None = None,
     b_down: torch.Tensor | None = None,
-    gemm_rows: int | None = None,
+    amx_rows: int = _AMX_ROWS,
     use_bf16_units: bool = True,
 ) -> torch.Tensor | None:
     """The compiled layer (csrc/moe_ops.cpp), or None where it does not apply: the kernels not
     built, a dtype other than float32 / bfloat16 or mixed dtypes, non-contiguous weights, an
-    activation it does not compute (`native_activation`). `gemm_rows` and `use_bf16_units`
+    activation it does not compute (`native_activation`). `amx_rows` and `use_bf16_units`
     steer its kernels (tests reach each one through them)."""
     act = native_activation(act_fn)
     if act is None or not _compiled_takes_weights(w_gate_up):
@@ -196,7 +196,7 @@ def fused_moe_compiled(
         code,
         alpha,
         limit,
-        _GEMM_ROWS[x.dtype] if gemm_rows is None else gemm_rows,
+        amx_rows,
         use_bf16_units,
     )
 

@@ -34,7 +34,7 @@ SHAPES = {
     "unused_experts": (3, 16, 2, 32, 32),  # most experts get no token
     "e128_top8_one_token": (1, 128, 8, 64, 48),  # Qwen3-MoE's routing: 120 experts idle
     "e128_top8": (70, 128, 8, 64, 48),  # 560 slots over 128 experts, a few empty
-    "wide": (150, 4, 2, 160, 96),  # ~75 rows per expert: several brgemm chunks, hidden > 128
+    "wide": (150, 4, 2, 160, 96),  # ~75 rows per expert: several 32-row chunks, hidden > 128
 }
 # the activations the compiled layer computes; ClampedSwiGLU's limit is low enough that the
 # clamps bite on these N(0, ~2) gate/up values
@@ -44,12 +44,12 @@ ACTIVATIONS = {
     "clamped_swiglu": ClampedSwiGLU(alpha=1.702, limit=1.5),
 }
 # The compiled layer's kernels: dot products on the weights as stored (an expert's rows below
-# gemm_rows), brgemm on weight blocks re-laid out in cache (float32; bfloat16 on AMX builds),
-# and for bfloat16 the portable kernels (no AVX512-BF16 or AMX: what an AVX2 CPU runs)
+# amx_rows), for bfloat16 the AMX tiles (on AMX builds; else the dot products again) and the
+# portable kernels (no AVX512-BF16 or AMX: what an AVX2 CPU runs)
 KERNELS = {
-    "dot": {"gemm_rows": 1 << 30},
-    "brgemm": {"gemm_rows": 1},
-    "portable": {"gemm_rows": 1 << 30, "use_bf16_units": False},
+    "dot": {"amx_rows": 1 << 30},
+    "amx": {"amx_rows": 1},
+    "portable": {"amx_rows": 1, "use_bf16_units": False},
 }
 
 
@@ -90,8 +90,8 @@ def _assert_matches_reference(got, args, act, biases):
         torch.testing.assert_close(got.float(), expected.float(), rtol=0, atol=tol)
 
 
-# float32 has no bfloat16 units to leave out: "portable" is "dot" there
-DTYPE_KERNELS = [(torch.float32, k) for k in ("dot", "brgemm")] + [(BF16, k) for k in KERNELS]
+# float32 runs the dot products whatever the units
+DTYPE_KERNELS = [(torch.float32, "dot")] + [(BF16, k) for k in KERNELS]
 
 
 @pytest.mark.parametrize("has_bias", [False, True], ids=["no_bias", "bias"])
@@ -107,8 +107,9 @@ def test_compiled_layer_matches_reference(ext, name, dtype, kernel, act, has_bia
     _assert_matches_reference(got, args, ACTIVATIONS[act], biases)
 
 
-@pytest.mark.parametrize("kernel", ["dot", "brgemm"])
-@pytest.mark.parametrize("dtype", [torch.float32, BF16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    "dtype, kernel", DTYPE_KERNELS, ids=[f"{str(d)[6:]}-{k}" for d, k in DTYPE_KERNELS]
+)
 def test_compiled_layer_on_one_and_two_threads(ext, threads, dtype, kernel):
     """The tasks are shared through a counter: any split between the threads gives the same
     result, to the bit (each task's sums run in a fixed order)."""

@@ -11,14 +11,15 @@
 //    hidden] buffer. Contributions arrive in expert order.
 // Tasks go to the threads through a shared counter (a thread on a busy core takes fewer).
 //
-// The GEMMs read the weights as stored ([N, K] rows, no packed copy). An expert with few rows
-// (decode: about top_k * num_tokens / num_experts) is a stream over its weights: a dot-product
-// kernel reads kMaxRows rows of x against kWeightRows weight rows at a time, every weight row
-// read once from memory, accumulating in float32 (bfloat16: AVX512-BF16 pair products where
-// the build has them, else a 16-bit shift to float32 and an FMA). An expert with `gemm_rows`
-// rows or more takes oneDNN's brgemm microkernel on the task's weight block re-laid out in L2
-// (float32: transposed to [K, N]; bfloat16 on AMX builds: VNNI pairs), in chunks of kChunkRows
-// rows.
+// The GEMMs read the weights as stored ([N, K] rows, no packed copy); at decode sizes a MoE layer
+// is a stream over the weights of the experts that have tokens. Below `amx_rows` rows an expert
+// runs dot-product tiles: kMaxRows rows of x against kWeightRows weight rows, every weight row
+// read once from memory, float32 accumulators (bfloat16: AVX512-BF16 pair products where the
+// build has them, else a 16-bit shift to float32 and an FMA). From `amx_rows` rows a bfloat16
+// expert takes the AMX tiles where the build has them (amx_gemm: oneDNN's brgemm with the
+// weights as its A operand, the few rows of x as B); float32 stays on the dot products (brgemm
+// on weight blocks transposed per task and MKL's sgemm per block were no faster up to 128 rows
+// per expert).
 //
 // bfloat16 rounds where transformers' eager bfloat16 experts round: each GEMM output, the bias
 // sum, the activation's intermediate products (silu before the multiply by up; ClampedSwiGLU's
@@ -47,7 +48,7 @@ namespace {
 enum class Act : int64_t { kSilu = 0, kGeluTanh = 1, kClampedSwiglu = 2 };
 
 constexpr int64_t kBlockN = 64;     // output columns per task (intermediate ones in phase 1)
-constexpr int64_t kChunkRows = 32;  // rows per brgemm call and per epilogue pass
+constexpr int64_t kChunkRows = 32;  // rows per GEMM call and per epilogue pass
 constexpr int kMaxRows = 4;         // rows of x per dot-product tile
 
 // float32 vectors of the build's width: 16 lanes (one AVX-512 register), else 8 (one AVX
@@ -73,11 +74,38 @@ inline vecf load_vec(const uint16_t* p) {
   return reinterpret_cast<vecf>(bits << 16);
 }
 
-inline float hsum(vecf v) {
-  float s = 0.f;
-  for (int i = 0; i < kLanes; ++i) s += v[i];
-  return s;
+typedef int32_t vec_i32 __attribute__((vector_size(kLanes * 4)));
+
+// One round of the sums of kLanes vectors: lane j of the result is a[j] + a[j + h] where bit h
+// of j is clear, b[j - h] + b[j] where it is set (the shuffles of vec_math.h's transpose_round).
+// Rounds h = kLanes / 2, ..., 1 over pairs (i, i + h) leave lane j holding the sum of vector j.
+template <int h>
+inline vecf fold(vecf a, vecf b) {
+  vec_i32 j;
+  for (int t = 0; t < kLanes; ++t) j[t] = t;
+  const vec_i32 high = (j & h) != 0;  // -1 where bit h is set
+  const vec_i32 lo = j + (high & (kLanes - h)), hi = j + h + (high & (kLanes - h));
+  return __builtin_shuffle(a, b, lo) + __builtin_shuffle(a, b, hi);
 }
+
+// The sums of kLanes vectors, lane j the sum of v[j]: 3 (kLanes - 1) instructions for all of
+// them, where reducing each alone took a dependent chain per vector (the 4 x 4 tile spent as
+// long in its sixteen sums as in its dot products at K = 2,048)
+inline vecf sum_lanes(vecf* v) {
+  if constexpr (kLanes == 16)
+    for (int i = 0; i < 8; ++i) v[i] = fold<8>(v[i], v[i + 8]);
+  for (int i = 0; i < 4; ++i) v[i] = fold<4>(v[i], v[i + 4]);
+  for (int i = 0; i < 2; ++i) v[i] = fold<2>(v[i], v[i + 2]);
+  return fold<1>(v[0], v[1]);
+}
+
+static_assert(kMaxRows * kWeightRows == kLanes, "a tile's sums fill one vector");
+
+// Ask for the cache line holding p. NOTE: the builtin, not vec_math.h's prefetch_line: that
+// one is an asm statement reading memory, and GCC then stored every accumulator of a tile to
+// the stack before each prefetch (their array's address goes to sum_lanes); the loops here
+// also load, so the builtin is not deleted as in a loop made only of prefetches
+inline void prefetch(const void* p) { __builtin_prefetch(p, 0, 3); }
 
 inline float to_float(float v) { return v; }
 inline float to_float(uint16_t v) { return to_f32(v); }
@@ -92,35 +120,31 @@ inline float rnd(float v, uint16_t) { return round_bf16(v); }
 inline void store(float* p, float v) { *p = v; }
 inline void store(uint16_t* p, float v) { *p = to_bf16(v); }
 
-// Ask for the cache lines of a weight row segment [p, p + bytes) ahead of its use
-inline void prefetch_span(const void* p, int64_t bytes) {
-  const char* c = static_cast<const char*>(p);
-  for (int64_t b = 0; b < bytes; b += 64) prefetch_line(c + b);
-}
-
 // out[m * kWeightRows + j] = dot(a[m], w[j]) over k, for kM rows of x and kWeightRows weight rows
 // (row pointers: the rows need not be evenly spaced). One pass over k: each weight vector is
 // loaded once and used for the kM rows; `next` (or null): kWeightRows rows to prefetch, the
-// same span of them as this step reads of `w` (the next tile's weights, a stream ahead).
+// same span of them as this step reads of `w` (the next tile's weights, a stream ahead). The
+// last k % kLanes elements are added one by one.
 template <int kM, typename TA, typename TW>
 void dot_tile(const TA* const* a, const TW* const* w, const TW* const* next, int64_t k,
               float* out) {
-  vecf acc[kM][kWeightRows] = {};
+  vecf acc[kMaxRows * kWeightRows] = {};
   int64_t i = 0;
   constexpr int64_t kLine = 64 / sizeof(TW);  // elements of a cache line
   for (; i + kLanes <= k; i += kLanes) {
     if (next != nullptr && i % kLine == 0)
-      for (int j = 0; j < kWeightRows; ++j) prefetch_line(next[j] + i);
+      for (int j = 0; j < kWeightRows; ++j) prefetch(next[j] + i);
     vecf wv[kWeightRows];
     for (int j = 0; j < kWeightRows; ++j) wv[j] = load_vec(w[j] + i);
     for (int m = 0; m < kM; ++m) {
       const vecf av = load_vec(a[m] + i);
-      for (int j = 0; j < kWeightRows; ++j) acc[m][j] += av * wv[j];
+      for (int j = 0; j < kWeightRows; ++j) acc[m * kWeightRows + j] += av * wv[j];
     }
   }
+  const vecf sums = sum_lanes(acc);
   for (int m = 0; m < kM; ++m)
     for (int j = 0; j < kWeightRows; ++j) {
-      float s = hsum(acc[m][j]);
+      float s = sums[m * kWeightRows + j];
       for (int64_t t = i; t < k; ++t) s += to_float(a[m][t]) * to_float(w[j][t]);
       out[m * kWeightRows + j] = s;
     }
@@ -132,24 +156,27 @@ void dot_tile(const TA* const* a, const TW* const* w, const TW* const* next, int
 template <int kM>
 void dot_tile_dpbf16(const uint16_t* const* a, const uint16_t* const* w,
                      const uint16_t* const* next, int64_t k, float* out) {
-  __m512 acc[kM][kWeightRows];
-  for (int m = 0; m < kM; ++m)
-    for (int j = 0; j < kWeightRows; ++j) acc[m][j] = _mm512_setzero_ps();
+  __m512 acc[kMaxRows * kWeightRows];
+  for (int t = 0; t < kMaxRows * kWeightRows; ++t) acc[t] = _mm512_setzero_ps();
   int64_t i = 0;
   for (; i + 32 <= k; i += 32) {
     if (next != nullptr)
-      for (int j = 0; j < kWeightRows; ++j) prefetch_line(next[j] + i);
+      for (int j = 0; j < kWeightRows; ++j) prefetch(next[j] + i);
     __m512bh wv[kWeightRows];
     for (int j = 0; j < kWeightRows; ++j)
       wv[j] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(w[j] + i));
     for (int m = 0; m < kM; ++m) {
       const __m512bh av = reinterpret_cast<__m512bh>(_mm512_loadu_si512(a[m] + i));
-      for (int j = 0; j < kWeightRows; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], av, wv[j]);
+      for (int j = 0; j < kWeightRows; ++j)
+        acc[m * kWeightRows + j] = _mm512_dpbf16_ps(acc[m * kWeightRows + j], av, wv[j]);
     }
   }
+  vecf v[kMaxRows * kWeightRows];
+  for (int t = 0; t < kMaxRows * kWeightRows; ++t) v[t] = reinterpret_cast<vecf>(acc[t]);
+  const vecf sums = sum_lanes(v);
   for (int m = 0; m < kM; ++m)
     for (int j = 0; j < kWeightRows; ++j) {
-      float s = _mm512_reduce_add_ps(acc[m][j]);
+      float s = sums[m * kWeightRows + j];
       for (int64_t t = i; t < k; ++t) s += to_f32(a[m][t]) * to_f32(w[j][t]);
       out[m * kWeightRows + j] = s;
     }
@@ -163,14 +190,42 @@ struct Units {
   bool amx = false;     // brgemm on AMX tiles for bfloat16
 };
 
+// One dot_tile call: kM = rows (1 to kMaxRows), the AVX512-BF16 form where it applies
+template <typename T>
+inline void dot_tile_rows(int rows, const T* const* a, const T* const* w, const T* const* next,
+                          int64_t k, const Units& units, float* out) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, uint16_t>) {
+    if (units.dpbf16) {
+      switch (rows) {
+        case 1: return dot_tile_dpbf16<1>(a, w, next, k, out);
+        case 2: return dot_tile_dpbf16<2>(a, w, next, k, out);
+        case 3: return dot_tile_dpbf16<3>(a, w, next, k, out);
+        default: return dot_tile_dpbf16<4>(a, w, next, k, out);
+      }
+    }
+  }
+#endif
+  (void)units;
+  switch (rows) {
+    case 1: return dot_tile<1>(a, w, next, k, out);
+    case 2: return dot_tile<2>(a, w, next, k, out);
+    case 3: return dot_tile<3>(a, w, next, k, out);
+    default: return dot_tile<4>(a, w, next, k, out);
+  }
+}
+
 // c[m, j] (float32, row stride ldc) = dot(a[m], w[j]) for m < mb, j < nb, through the
 // dot-product tiles: weight rows outermost, so each is read from memory once for all mb rows.
 // Rows past nb in the last weight tile repeat the last row (their results are dropped).
+// NOTE: blocking k (512) so that a tile's weight rows stay in L1 while the rows of x pass was
+// no faster from 1 to 32 rows.
 template <typename T>
 void dot_gemm(const T* const* a, int64_t mb, const T* const* w, int64_t nb, int64_t k,
               const Units& units, float* c, int64_t ldc) {
   float tile[kMaxRows * kWeightRows];
   for (int64_t j0 = 0; j0 < nb; j0 += kWeightRows) {
+    const int64_t cols = std::min<int64_t>(kWeightRows, nb - j0);
     const T* wr[kWeightRows];
     const T* nx[kWeightRows];
     for (int j = 0; j < kWeightRows; ++j) {
@@ -181,64 +236,63 @@ void dot_gemm(const T* const* a, int64_t mb, const T* const* w, int64_t nb, int6
     for (int64_t m0 = 0; m0 < mb; m0 += kMaxRows) {
       const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, mb - m0));
       // NOTE: the prefetch of the next weight rows rides on the first pass over these ones
-      const T* const* pf = (m0 == 0 && has_next) ? nx : nullptr;
-      bool done = false;
-#if defined(__AVX512BF16__)
-      if constexpr (std::is_same_v<T, uint16_t>) {
-        if (units.dpbf16) {
-          switch (rows) {
-            case 1: dot_tile_dpbf16<1>(a + m0, wr, pf, k, tile); break;
-            case 2: dot_tile_dpbf16<2>(a + m0, wr, pf, k, tile); break;
-            case 3: dot_tile_dpbf16<3>(a + m0, wr, pf, k, tile); break;
-            default: dot_tile_dpbf16<4>(a + m0, wr, pf, k, tile); break;
-          }
-          done = true;
-        }
-      }
-#endif
-      if (!done) {
-        switch (rows) {
-          case 1: dot_tile<1>(a + m0, wr, pf, k, tile); break;
-          case 2: dot_tile<2>(a + m0, wr, pf, k, tile); break;
-          case 3: dot_tile<3>(a + m0, wr, pf, k, tile); break;
-          default: dot_tile<4>(a + m0, wr, pf, k, tile); break;
-        }
-      }
-      const int64_t cols = std::min<int64_t>(kWeightRows, nb - j0);
+      dot_tile_rows(rows, a + m0, wr, (m0 == 0 && has_next) ? nx : nullptr, k, units, tile);
       for (int m = 0; m < rows; ++m)
         for (int64_t j = 0; j < cols; ++j) c[(m0 + m) * ldc + j0 + j] = tile[m * kWeightRows + j];
     }
   }
-  (void)units;
 }
 
-// A weight block (nb rows of w, k apart) laid out for brgemm in `dst`: float32 transposed to
-// [k, nb]; bfloat16 in VNNI pairs [k / 2, nb, 2].
-inline void layout_block(const float* w, int64_t nb, int64_t k, float* dst) {
-  transpose_block(w, k, dst, nb, nb, k);
-}
-inline void layout_block(const uint16_t* w, int64_t nb, int64_t k, uint16_t* dst) {
-  // NOTE: the pairs of one row are one 32-bit word: a bit transpose of the [nb, k / 2] words
-  transpose_bits_block(w, k * 2, reinterpret_cast<uint32_t*>(dst), nb, nb, k / 2);
+// x rows (pointers) [mb, k] -> dst [k / 2, mb] 32-bit words: the rows as brgemm's B operand
+// in VNNI pairs (x^T: a bfloat16 pair of a row is one word), for amx_gemm. vec_math.h's
+// transpose_bits_block over row pointers.
+inline void vnni_rows(const uint16_t* const* rows, int64_t mb, int64_t k, uint32_t* dst) {
+  const int64_t cols = k / 2, rows16 = mb / 16 * 16, cols16 = cols / 16 * 16;
+  auto word = [&](int64_t i) { return reinterpret_cast<const uint32_t*>(rows[i]); };
+  for (int64_t i0 = 0; i0 < rows16; i0 += 16)
+    for (int64_t j0 = 0; j0 < cols16; j0 += 16) {
+      // NOTE: vector loads and stores, not memcpy: GCC copied each row through the stack in
+      // two 32-byte halves read back as one 64-byte vector, a store-forwarding stall per row
+      v16f r[16];
+      for (int i = 0; i < 16; ++i) r[i] = *reinterpret_cast<const v16f*>(word(i0 + i) + j0);
+      transpose_round<8>(r);
+      transpose_round<4>(r);
+      transpose_round<2>(r);
+      transpose_round<1>(r);
+      for (int j = 0; j < 16; ++j) *reinterpret_cast<v16f*>(dst + (j0 + j) * mb + i0) = r[j];
+    }
+  for (int64_t i = 0; i < mb; ++i)
+    for (int64_t j = i < rows16 ? cols16 : 0; j < cols; ++j) dst[j * mb + i] = word(i)[j];
 }
 
-inline void brgemm_block(int64_t mb, int64_t nb, int64_t k, const float* a, const float* b,
-                         float* c) {
-  at::native::cpublas::brgemm(mb, nb, k, k, nb, nb, false, a, b, c, false);
-}
-inline void brgemm_block(int64_t mb, int64_t nb, int64_t k, const uint16_t* a,
-                         const uint16_t* b, float* c) {
-  at::native::cpublas::brgemm(mb, nb, k, k, nb, nb, false,
-                              reinterpret_cast<const at::BFloat16*>(a),
-                              reinterpret_cast<const at::BFloat16*>(b), c, true);
+constexpr int64_t kAmxChunkK = 512;  // k per brgemm call of amx_gemm
+
+// c[m, j] = dot(x[m], w[j]) on AMX tiles, for the nb weight rows of w (k apart, contiguous) and
+// the mb rows of x given as xv = vnni_rows(x): brgemm computes c^T = w x^T with the weights as
+// its A operand, read as stored (no relayout of the weights, which cost twice the GEMM), in
+// chunks of kAmxChunkK along k, the next chunk of weight rows requested before each call.
+// ct: [nb, mb] scratch.
+inline void amx_gemm(const uint16_t* w, int64_t nb, int64_t k, const uint32_t* xv, int64_t mb,
+                     float* ct, float* c, int64_t ldc) {
+  for (int64_t k0 = 0; k0 < k; k0 += kAmxChunkK) {
+    const int64_t kb = std::min(kAmxChunkK, k - k0);
+    const int64_t next_bytes = std::min(kAmxChunkK, k - k0 - kb) * 2;
+    for (int64_t j = 0; j < nb; ++j)
+      for (int64_t b = 0; b < next_bytes; b += 64)
+        prefetch(reinterpret_cast<const char*>(w + j * k + k0 + kb) + b);
+    at::native::cpublas::brgemm(nb, mb, kb, k, mb, mb, k0 > 0,
+                                reinterpret_cast<const at::BFloat16*>(w + k0),
+                                reinterpret_cast<const at::BFloat16*>(xv + k0 / 2 * mb), ct,
+                                true);
+  }
+  transpose_block(ct, mb, c, ldc, nb, mb);
 }
 
-// Whether an expert of `rows` rows takes brgemm: enough rows, and a brgemm for T here
+// Whether an expert of `rows` rows runs on the AMX tiles (else the dot products): bfloat16 from
+// amx_rows rows on an AMX build
 template <typename T>
-bool takes_brgemm(int64_t rows, int64_t gemm_rows, int64_t k, const Units& units) {
-  if (rows < gemm_rows) return false;
-  if constexpr (std::is_same_v<T, uint16_t>) return units.amx && k % 2 == 0;
-  return true;
+bool takes_amx(int64_t rows, int64_t amx_rows, int64_t k, const Units& units) {
+  return std::is_same_v<T, uint16_t> && units.amx && rows >= amx_rows && k % 2 == 0;
 }
 
 // ---- the epilogues -----------------------------------------------------------------------
@@ -307,7 +361,7 @@ struct Layer {
   int64_t num_tokens, top_k, num_experts, hidden, inter;
   Act act;
   float alpha, limit;
-  int64_t gemm_rows;
+  int64_t amx_rows;
   Units units;
 };
 
@@ -327,16 +381,44 @@ void run_tasks(int64_t num_tasks, const Fn& fn) {
 
 struct Scratch {
   std::vector<float> c0, c1;  // [kChunkRows, kBlockN] GEMM outputs (gate and up)
-  std::vector<char> b0, b1;   // weight blocks laid out for brgemm
-  std::vector<char> rows;     // gathered rows of x for brgemm
-  bool used_tiles = false;    // a bfloat16 brgemm ran (its AMX tile state is to be released)
+  std::vector<float> ct;      // [kBlockN, kChunkRows] amx_gemm's transposed output
+  bool used_tiles = false;    // amx_gemm ran (the AMX tile state is to be released)
 };
 
+// A run of sorted rows (at most kChunkRows) of an expert that takes amx_gemm
+struct Chunk {
+  int64_t first, rows;  // sorted row index, count
+};
+
+// For each chunk, vnni_rows of its rows (sorted row r: rows_of(r)) into out at word
+// first * k / 2: once for all the tasks that read them
+template <typename RowsOf>
+void vnni_chunks(const std::vector<Chunk>& chunks, int64_t k, const RowsOf& rows_of,
+                 uint32_t* out) {
+  run_tasks<Scratch>(static_cast<int64_t>(chunks.size()), [&](int64_t t, Scratch&) {
+    const Chunk& ch = chunks[t];
+    const uint16_t* r[kChunkRows];
+    for (int64_t m = 0; m < ch.rows; ++m) r[m] = rows_of(ch.first + m);
+    vnni_rows(r, ch.rows, k, out + ch.first * k / 2);
+  });
+}
+
+// c [mb, nb] (row stride nb) = the chunk's rows (a: pointers; xv: their vnni_rows, for amx)
+// against nb weight rows of w, k apart
 template <typename T>
-T* grow(std::vector<char>& v, int64_t count) {
-  const size_t bytes = static_cast<size_t>(count) * sizeof(T);
-  if (v.size() < bytes) v.resize(bytes);
-  return reinterpret_cast<T*>(v.data());
+void chunk_gemm(bool amx, const T* const* a, const uint32_t* xv, int64_t mb, const T* w,
+                int64_t nb, int64_t k, const Units& units, Scratch& s, float* c) {
+  if constexpr (std::is_same_v<T, uint16_t>) {
+    if (amx) {
+      s.used_tiles = true;
+      s.ct.resize(kBlockN * kChunkRows);
+      amx_gemm(w, nb, k, xv, mb, s.ct.data(), c, nb);
+      return;
+    }
+  }
+  const T* wr[kBlockN];
+  for (int64_t j = 0; j < nb; ++j) wr[j] = w + j * k;
+  dot_gemm(a, mb, wr, nb, k, units, c, nb);
 }
 
 template <typename T>
@@ -358,13 +440,28 @@ void moe_layer(const Layer& L, const T* x, const T* w13, const T* w2, const T* b
     std::vector<int64_t> fill(start.begin(), start.end() - 1);
     for (int64_t s = 0; s < num_slots; ++s) sorted[fill[topk_ids[s]]++] = s;
   }
-  std::vector<int64_t> active;  // experts with rows
-  for (int64_t e = 0; e < E; ++e)
-    if (start[e + 1] > start[e]) active.push_back(e);
+  std::vector<int64_t> active;                   // experts with rows
+  std::vector<Chunk> amx_chunks1, amx_chunks2;  // of the gate/up and of the down GEMMs
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t rows = start[e + 1] - start[e];
+    if (rows == 0) continue;
+    active.push_back(e);
+    for (int64_t m0 = 0; m0 < rows; m0 += kChunkRows) {
+      const Chunk ch{start[e] + m0, std::min(kChunkRows, rows - m0)};
+      if (takes_amx<T>(rows, L.amx_rows, H, L.units)) amx_chunks1.push_back(ch);
+      if (takes_amx<T>(rows, L.amx_rows, I, L.units)) amx_chunks2.push_back(ch);
+    }
+  }
   const int64_t num_active = static_cast<int64_t>(active.size());
+  auto x_row = [&](int64_t r) { return x + (sorted[r] / K) * H; };  // of sorted row r
+  std::vector<T> inter(static_cast<size_t>(num_slots * I));  // [num_slots, I], sorted rows
+  std::vector<uint32_t> x_vnni, inter_vnni;  // the AMX chunks' rows as brgemm's B operand
+  if constexpr (std::is_same_v<T, uint16_t>) {
+    x_vnni.resize(amx_chunks1.empty() ? 0 : static_cast<size_t>(num_slots * H / 2));
+    vnni_chunks(amx_chunks1, H, x_row, x_vnni.data());
+  }
 
-  // phase 1: inter = act(x W13^T + b13), rows in expert order
-  std::vector<T> inter(static_cast<size_t>(num_slots * I));
+  // phase 1: inter = act(x W13^T + b13)
   const int64_t blocks1 = (I + kBlockN - 1) / kBlockN;
   run_tasks<Scratch>(num_active * blocks1, [&](int64_t task, Scratch& s) {
     const int64_t e = active[task / blocks1];
@@ -374,44 +471,27 @@ void moe_layer(const Layer& L, const T* x, const T* w13, const T* w2, const T* b
     const T* up_w = gate_w + I * H;
     const T* gate_b = b13 + e * b13_stride + n0;
     const T* up_b = gate_b + (b13_stride == 0 ? 0 : I);
+    const bool amx = takes_amx<T>(rows, L.amx_rows, H, L.units);
     s.c0.resize(kChunkRows * kBlockN);
     s.c1.resize(kChunkRows * kBlockN);
-    const bool brgemm = takes_brgemm<T>(rows, L.gemm_rows, H, L.units);
-    T* gate_blk = nullptr;
-    T* up_blk = nullptr;
-    T* gathered = nullptr;
-    const T* wg[kBlockN];
-    const T* wu[kBlockN];
-    if (brgemm) {
-      gate_blk = grow<T>(s.b0, nb * H);
-      up_blk = grow<T>(s.b1, nb * H);
-      s.used_tiles |= std::is_same_v<T, uint16_t>;
-      layout_block(gate_w, nb, H, gate_blk);
-      layout_block(up_w, nb, H, up_blk);
-      gathered = grow<T>(s.rows, kChunkRows * H);
-    } else {
-      for (int64_t j = 0; j < nb; ++j) {
-        wg[j] = gate_w + j * H;
-        wu[j] = up_w + j * H;
-      }
-    }
     for (int64_t m0 = 0; m0 < rows; m0 += kChunkRows) {
       const int64_t mb = std::min(kChunkRows, rows - m0);
       const T* a[kChunkRows];
-      for (int64_t m = 0; m < mb; ++m) a[m] = x + (sorted[first + m0 + m] / K) * H;
-      if (brgemm) {
-        for (int64_t m = 0; m < mb; ++m) std::memcpy(gathered + m * H, a[m], H * sizeof(T));
-        brgemm_block(mb, nb, H, gathered, gate_blk, s.c0.data());
-        brgemm_block(mb, nb, H, gathered, up_blk, s.c1.data());
-      } else {
-        dot_gemm(a, mb, wg, nb, H, L.units, s.c0.data(), nb);
-        dot_gemm(a, mb, wu, nb, H, L.units, s.c1.data(), nb);
-      }
+      for (int64_t m = 0; m < mb; ++m) a[m] = x_row(first + m0 + m);
+      const uint32_t* xv = amx ? x_vnni.data() + (first + m0) * H / 2 : nullptr;
+      chunk_gemm(amx, a, xv, mb, gate_w, nb, H, L.units, s, s.c0.data());
+      chunk_gemm(amx, a, xv, mb, up_w, nb, H, L.units, s, s.c1.data());
       for (int64_t m = 0; m < mb; ++m)
         act_row(L.act, s.c0.data() + m * nb, s.c1.data() + m * nb, gate_b, up_b, L.alpha,
                 L.limit, inter.data() + (first + m0 + m) * I + n0, nb);
     }
   });
+
+  if constexpr (std::is_same_v<T, uint16_t>) {
+    inter_vnni.resize(amx_chunks2.empty() ? 0 : static_cast<size_t>(num_slots * I / 2));
+    vnni_chunks(amx_chunks2, I, [&](int64_t r) { return inter.data() + r * I; },
+                inter_vnni.data());
+  }
 
   // phase 2: acc[token] += weight * (inter W2^T + b2), a task per block of output columns
   const int64_t blocks2 = (H + kBlockN - 1) / kBlockN;
@@ -422,26 +502,13 @@ void moe_layer(const Layer& L, const T* x, const T* w13, const T* w2, const T* b
       const int64_t first = start[e], rows = start[e + 1] - first;
       const T* down_w = w2 + (e * H + n0) * I;
       const T* down_b = b2 + e * b2_stride + n0;
-      const bool brgemm = takes_brgemm<T>(rows, L.gemm_rows, I, L.units);
-      T* blk = nullptr;
-      const T* wd[kBlockN];
-      if (brgemm) {
-        s.used_tiles |= std::is_same_v<T, uint16_t>;
-        blk = grow<T>(s.b0, nb * I);
-        layout_block(down_w, nb, I, blk);
-      } else {
-        for (int64_t j = 0; j < nb; ++j) wd[j] = down_w + j * I;
-      }
+      const bool amx = takes_amx<T>(rows, L.amx_rows, I, L.units);
       for (int64_t m0 = 0; m0 < rows; m0 += kChunkRows) {
         const int64_t mb = std::min(kChunkRows, rows - m0);
-        const T* rows_in = inter.data() + (first + m0) * I;
-        if (brgemm) {
-          brgemm_block(mb, nb, I, rows_in, blk, s.c0.data());
-        } else {
-          const T* a[kChunkRows];
-          for (int64_t m = 0; m < mb; ++m) a[m] = rows_in + m * I;
-          dot_gemm(a, mb, wd, nb, I, L.units, s.c0.data(), nb);
-        }
+        const T* a[kChunkRows];
+        for (int64_t m = 0; m < mb; ++m) a[m] = inter.data() + (first + m0 + m) * I;
+        const uint32_t* xv = amx ? inter_vnni.data() + (first + m0) * I / 2 : nullptr;
+        chunk_gemm(amx, a, xv, mb, down_w, nb, I, L.units, s, s.c0.data());
         for (int64_t m = 0; m < mb; ++m) {
           const int64_t slot = sorted[first + m0 + m];
           const float w = rnd(topk_weights[slot], T{});
@@ -472,13 +539,13 @@ bool fused_moe_amx_available() {
 // x [T, H]; w_gate_up [E, 2I, H] (gate rows, then up); w_down [E, H, I]; b_gate_up [E, 2I] and
 // b_down [E, H] or None; topk_weights [T, top_k] float32; topk_ids [T, top_k] int64; all
 // float32 or all bfloat16 (weights, biases, x), contiguous. act: 0 SiLU, 1 GELU (tanh), 2
-// ClampedSwiGLU(alpha, limit). Experts with gemm_rows rows or more take brgemm;
+// ClampedSwiGLU(alpha, limit). bfloat16 experts with amx_rows rows or more take the AMX tiles;
 // use_bf16_units=False keeps bfloat16 on the portable kernels (no AVX512-BF16, no AMX).
 at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& w_gate_up, const at::Tensor& w_down,
                      const c10::optional<at::Tensor>& b_gate_up,
                      const c10::optional<at::Tensor>& b_down, const at::Tensor& topk_weights,
                      const at::Tensor& topk_ids, int64_t act, double alpha, double limit,
-                     int64_t gemm_rows, bool use_bf16_units) {
+                     int64_t amx_rows, bool use_bf16_units) {
   const auto dtype = x.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16,
               "fused_moe: x must be float32 or bfloat16, got ", dtype);
@@ -517,7 +584,7 @@ at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& w_gate_up, const at:
           static_cast<Act>(act),
           static_cast<float>(alpha),
           static_cast<float>(limit),
-          std::max<int64_t>(1, gemm_rows),
+          std::max<int64_t>(1, amx_rows),
           Units{}};
 #if defined(__AVX512BF16__)
   L.units.dpbf16 = use_bf16_units;
@@ -556,5 +623,5 @@ void register_moe_ops(py::module& m) {
         "bias and the router-weighted sum, in one call (float32 or bfloat16, CPU)",
         py::arg("x"), py::arg("w_gate_up"), py::arg("w_down"), py::arg("b_gate_up"),
         py::arg("b_down"), py::arg("topk_weights"), py::arg("topk_ids"), py::arg("act"),
-        py::arg("alpha"), py::arg("limit"), py::arg("gemm_rows"), py::arg("use_bf16_units"));
+        py::arg("alpha"), py::arg("limit"), py::arg("amx_rows"), py::arg("use_bf16_units"));
 }
