@@ -4,11 +4,13 @@ It runs in the engine's own Python (a venv with vLLM's CPU build need not have l
 it imports nothing but the standard library and the engine it drives:
 
     PYTHON benchmarks/peer_engines.py ENGINE --workloads WL.json --out RESULT.json
-        [--model PATH] [--reps 2] [--threads N] [--dtype float32|bfloat16]
+        [--model PATH] [--reps 2] [--threads N] [--dtype float32|bfloat16] [--batch N]
 
 ENGINE is `lmengine`, `lmengine-gguf` (lmengine computing on a GGUF file's blocks, float32),
-`vllm` (its CPU build; lmengine and vLLM compute in --dtype, float32 unless told) or
-`llamacpp` (llama.cpp through llama-cpp-python, on a GGUF file, batched). WL.json holds
+`vllm` (its CPU build), `transformers` (its own `generate`, eager attention, the prompts
+left-padded into batches of --batch, all in one by default; lmengine, vLLM and transformers
+compute in --dtype, float32 unless told) or `llamacpp` (llama.cpp through llama-cpp-python, on
+a GGUF file, batched). WL.json holds
 {"W1": {"prompts": [[ids...]], "max_new_tokens": N}, "W2": ..., "W3": ...}. Every engine runs
 as its users run it offline: all of a workload's prompts handed over in one call, greedy, EOS
 ignored; building the engine and one warm-up call are not timed.
@@ -67,6 +69,50 @@ def vllm_generator(args: argparse.Namespace):
         outs = llm.generate(batch, params, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outs]
 
+    return generate
+
+
+def transformers_generator(args: argparse.Namespace):
+    """transformers' `generate` as its users batch it: each batch of --batch prompts (0: all)
+    padded on the left and masked, greedy, eager attention, its default cache and experts
+    implementation, in --dtype. EOS is ignored by generating with no EOS token."""
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model = AutoModelForCausalLM.from_pretrained(
+        args.model, dtype=getattr(torch, args.dtype), attn_implementation="eager"
+    ).eval()
+    config = model.config
+    eos = config.eos_token_id[0] if isinstance(config.eos_token_id, list) else config.eos_token_id
+    pad = next((t for t in (config.pad_token_id, eos) if t is not None), 0)  # masked anyway
+    # NOTE: generate fills what it is not given from model.generation_config, which holds the
+    # folder's EOS ids and sampling values: replaced by one with neither
+    model.generation_config = GenerationConfig(pad_token_id=pad)
+
+    def generate(prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+        outs: list[list[int]] = []
+        size = args.batch or len(prompts)
+        for i in range(0, len(prompts), size):
+            batch = prompts[i : i + size]
+            width = max(map(len, batch))
+            input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+            with torch.inference_mode():  # [batch, width + new_tokens]
+                ids = model.generate(
+                    input_ids=input_ids,
+                    attention_mask=mask,
+                    max_new_tokens=new_tokens,
+                    do_sample=False,
+                )
+            outs += ids[:, width:].tolist()
+        return outs
+
+    generate.how = (  # type: ignore[attr-defined]
+        f"{args.dtype}, attention {config._attn_implementation}, experts "
+        f"{getattr(config, '_experts_implementation', None)}, batch {args.batch or 'all'}"
+    )
     return generate
 
 
@@ -150,6 +196,7 @@ GENERATORS = {
     "lmengine": lmengine_generator,
     "lmengine-gguf": lmengine_generator,
     "vllm": vllm_generator,
+    "transformers": transformers_generator,
     "llamacpp": llamacpp_generator,
 }
 
@@ -168,6 +215,8 @@ def run(args: argparse.Namespace) -> dict:
     start = time.perf_counter()
     generate = GENERATORS[args.engine](args)
     result: dict = {"engine": args.engine, "start_s": time.perf_counter() - start}
+    if hasattr(generate, "how"):  # how the engine was set up, where it says
+        result["how"] = generate.how
     first = next(iter(workloads.values()))
     timed(generate, first["prompts"][:2], 4)  # warm-up
     for name, wl in workloads.items():
@@ -200,8 +249,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=None, help="folder or file (lmengine: default model)")
     p.add_argument("--reps", type=int, default=2, help="timed runs per workload (median)")
     p.add_argument("--threads", type=int, default=0, help="compute threads (0: all cores)")
-    p.add_argument("--dtype", default="float32", help="lmengine and vllm: float32 or bfloat16")
+    p.add_argument(
+        "--dtype", default="float32", help="lmengine, vllm and transformers: float32 or bfloat16"
+    )
+    p.add_argument(
+        "--batch", type=int, default=0, help="transformers: prompts per generate call (0: all)"
+    )
     args = p.parse_args(argv)
+    if args.batch < 0:
+        p.error("--batch must be >= 0")
     result = run(args)
     with open(args.out, "w") as f:
         json.dump(result, f)
