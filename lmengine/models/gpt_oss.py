@@ -30,7 +30,7 @@ from transformers.models.gpt_oss.modeling_gpt_oss import (
 )
 
 from lmengine.kernels.activation import ClampedSwiGLU
-from lmengine.kernels.moe import fused_moe, pack_experts
+from lmengine.kernels.moe import pack_experts
 from lmengine.models.context import get_step_context
 from lmengine.models.llama import (
     PatchedLlamaAttention,
@@ -91,21 +91,13 @@ class PatchedGptOssMLP(ExpertsMixin, GptOssMLP):
         top, ids = logits.topk(router.top_k, dim=-1)
         return top.softmax(dim=1), ids
 
+    def expert_act(self) -> ClampedSwiGLU:
+        return self.act
+
     def _fused(self, hidden_states, topk_weights, topk_ids) -> torch.Tensor:
         if not self.kernel_layout:
             self._to_kernel_layout()
-        experts = self.experts
-        return fused_moe(
-            hidden_states,
-            experts.gate_up_proj,
-            experts.down_proj,
-            topk_weights,
-            topk_ids,
-            self.act,
-            self.packed_experts,
-            b_gate_up=experts.gate_up_proj_bias,
-            b_down=experts.down_proj_bias,
-        )
+        return super()._fused(hidden_states, topk_weights, topk_ids)
 
 
 class PatchedGptOssDecoderLayer(PatchedLlamaDecoderLayer, GptOssDecoderLayer):

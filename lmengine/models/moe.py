@@ -49,6 +49,10 @@ class ExpertsMixin:
         out = self._fused(hidden_states, topk_weights, topk_ids)
         return out if expert_range is None else all_reduce(out)
 
+    def expert_act(self) -> Any:
+        """The experts' activation for fused_moe (gpt-oss overrides: a gated one)."""
+        return self.experts.act_fn
+
     def _fused(self, hidden_states, topk_weights, topk_ids) -> torch.Tensor:
         experts = self.experts
         return fused_moe(
@@ -57,8 +61,11 @@ class ExpertsMixin:
             experts.down_proj,
             topk_weights,
             topk_ids,
-            experts.act_fn,
+            self.expert_act(),
             self.packed_experts,
+            # per-expert biases where the experts have them (gpt-oss)
+            b_gate_up=getattr(experts, "gate_up_proj_bias", None),
+            b_down=getattr(experts, "down_proj_bias", None),
         )
 
 
