@@ -14,9 +14,10 @@ act_fn(gate, up) (gpt-oss's ClampedSwiGLU): the isinstance test is the whole rul
 
 Paths with one signature: `fused_moe_ref` (dense per-slot gather, obviously right); on the CPU
 the compiled layer (csrc/moe_ops.cpp: one call for all experts, float32 and bfloat16, SiLU,
-GELU-tanh and ClampedSwiGLU), else a Python loop over the experts that have tokens (token slots
-sorted by expert, one GEMM pair per expert); on CUDA a Triton grouped GEMM over the same
-expert-sorted order (lmengine.kernels.triton.moe).
+GELU-tanh and ClampedSwiGLU) up to _LOOP_ROWS rows per expert on average, else (prompts, other
+activations and dtypes, no compiled kernels) a Python loop over the experts that have tokens
+(token slots sorted by expert, one GEMM pair per expert); on CUDA a Triton grouped GEMM over
+the same expert-sorted order (lmengine.kernels.triton.moe).
 """
 
 from __future__ import annotations
@@ -38,6 +39,12 @@ _SILU, _GELU_TANH, _CLAMPED_SWIGLU = 0, 1, 2
 # Rows of one bfloat16 expert from which the compiled layer runs its GEMMs on AMX tiles (where
 # built) instead of dot products; below, the dot products stream the weights faster
 _AMX_ROWS = 8
+# From this many rows per expert on average (prompts: 1,024 tokens of Qwen3-MoE, 256 of
+# Mixtral) the Python loop's per-expert GEMMs (MKL, oneDNN) beat the compiled layer, whose
+# kernels are built for streaming the weights. Qwen3-MoE's shape, one thread, ms at 16 / 32 /
+# 64 / 128 rows: float32 compiled 369 / 603 / 1,047, loop 623 / 707 / 1,002; bfloat16 173 /
+# 256 / 394 / 715 against 210 / 261 / 385 / 537
+_LOOP_ROWS = 64
 
 
 def fused_moe_ref(
@@ -77,9 +84,10 @@ def sort_by_expert(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tens
 
 def pack_experts(w: torch.Tensor) -> list[torch.Tensor | None] | None:
     """What the CPU path wants prepared once at load for the experts' [num_experts, out, in]
-    matrix `w`: None where the compiled layer runs them (it reads the weights as stored), else
-    packed copies of each expert's matrix for the Python loop (MKL's or oneDNN's:
-    kernels/linear.py), or None where packing does not apply."""
+    matrix `w`: None where the compiled layer runs them (it reads the weights as stored, and
+    prompts go to the Python loop on them too: packed copies would double the experts' memory
+    for ~10 % on float32 prompts), else packed copies of each expert's matrix for the Python
+    loop (MKL's or oneDNN's: kernels/linear.py), or None where packing does not apply."""
     if _compiled_takes_weights(w):
         return None
     packed = [pack_weight(w[e]) for e in range(w.shape[0])]
@@ -250,7 +258,9 @@ def fused_moe(
         from lmengine.kernels.triton.moe import fused_moe_triton
 
         return fused_moe_triton(*args, b_gate_up=b_gate_up, b_down=b_down)
-    out = fused_moe_compiled(*args, b_gate_up=b_gate_up, b_down=b_down)
-    if out is not None:
-        return out
+    num_tokens, top_k = topk_ids.shape
+    if num_tokens * top_k < _LOOP_ROWS * w_gate_up.shape[0]:
+        out = fused_moe_compiled(*args, b_gate_up=b_gate_up, b_down=b_down)
+        if out is not None:
+            return out
     return fused_moe_cpu(*args, packed, b_gate_up=b_gate_up, b_down=b_down)

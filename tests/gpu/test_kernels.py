@@ -237,12 +237,18 @@ MOE_SHAPES = by_mode(
 MOE_REF_BYTES = 1 << 29  # the dense reference gathers each slot's weights: chunk the tokens
 
 
-def _moe_reference(x, w_gate_up, w_down, weights, ids) -> torch.Tensor:
+def _moe_reference(x, w_gate_up, w_down, weights, ids, act=F.silu, **biases) -> torch.Tensor:
     per_token = w_gate_up[0].numel() * x.element_size()
     chunk = max(1, MOE_REF_BYTES // per_token)
     parts = [
         fused_moe_ref(
-            x[i : i + chunk], w_gate_up, w_down, weights[i : i + chunk], ids[i : i + chunk], F.silu
+            x[i : i + chunk],
+            w_gate_up,
+            w_down,
+            weights[i : i + chunk],
+            ids[i : i + chunk],
+            act,
+            **biases,
         )
         for i in range(0, x.shape[0], chunk)
     ]
@@ -262,5 +268,34 @@ def test_fused_moe(device, name, dtype):
     # the float32 reference on the same (rounded) inputs; bfloat16 rounds the gate/up
     # outputs and the expert outputs to bfloat16 on the way: 2 % of the output's scale
     expected = _moe_reference(x.float(), w_gate_up.float(), w_down.float(), weights, ids)
+    tol = 5e-5 if dtype == torch.float32 else 2e-2 * float(expected.abs().max())
+    torch.testing.assert_close(got.float().cpu(), expected.cpu(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("name", list(MOE_SHAPES))
+@pytest.mark.parametrize("dtype", by_mode(gpu=[torch.float32, torch.bfloat16], cpu=[torch.float32]))
+def test_fused_moe_biased_clamped_swiglu(device, name, dtype):
+    """gpt-oss's experts: per-expert biases added in the kernel's epilogue, ClampedSwiGLU
+    (a GatedActivation, called with gate and up) between the two GEMMs."""
+    from lmengine.kernels.activation import ClampedSwiGLU
+    from lmengine.kernels.triton.moe import fused_moe_triton
+
+    args = moe_inputs(*MOE_SHAPES[name], seed=2)
+    num_experts, two_inter, hidden = args[1].shape
+    gen = torch.Generator().manual_seed(3)
+    biases = {
+        "b_gate_up": torch.randn(num_experts, two_inter, generator=gen),
+        "b_down": torch.randn(num_experts, hidden, generator=gen),
+    }
+    act = ClampedSwiGLU(alpha=1.702, limit=1.5)  # a low limit: the clamps bite
+    x, w_gate_up, w_down = (t.to(device, dtype) for t in args[:3])
+    weights, ids = (t.to(device) for t in args[3:])
+    on_dev = {k: v.to(device, dtype) for k, v in biases.items()}
+    got = fused_moe_triton(x, w_gate_up, w_down, weights, ids, act, **on_dev)
+    assert got.dtype == dtype and got.shape == x.shape
+    rounded = {k: v.to(dtype).float() for k, v in biases.items()}
+    expected = _moe_reference(
+        x.float(), w_gate_up.float(), w_down.float(), weights, ids, act, **rounded
+    )
     tol = 5e-5 if dtype == torch.float32 else 2e-2 * float(expected.abs().max())
     torch.testing.assert_close(got.float().cpu(), expected.cpu(), rtol=tol, atol=tol)

@@ -148,6 +148,19 @@ def test_dispatch_takes_each_cpu_path(cpu_path, name, dtype):
         _assert_matches_reference(got, args, act, biases)
 
 
+def test_prompt_sized_batches_take_the_python_loop(monkeypatch):
+    """From _LOOP_ROWS rows per expert on average the per-expert GEMMs serve the batch."""
+    import lmengine.kernels.moe as moe
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the compiled layer took a prompt-sized batch")
+
+    _, biases = _layer("small", torch.float32, has_bias=True, seed=4)  # 4 experts, top-2
+    args = _inputs(moe._LOOP_ROWS * 4 // 2, 4, 2, 32, 48, seed=4)
+    monkeypatch.setattr(moe, "fused_moe_compiled", refuse)
+    _assert_matches_reference(fused_moe(*args, F.silu, **biases), args, F.silu, biases)
+
+
 class _SquaredGate(GatedActivation):
     """A gated activation the compiled layer does not know."""
 
