@@ -4,9 +4,11 @@ transformers' own eager sparse block, same weights, same process, interleaved.
 Two layers: a Qwen3-MoE block (hidden 2048, 128 experts, top-8, moe_intermediate_size 768,
 SiLU, no biases: Qwen3MoeSparseMoeBlock) and a gpt-oss one (hidden 2880, 32 experts, top-4,
 intermediate 2880, biased experts, ClampedSwiGLU: GptOssMLP), each built by transformers from a
-config with random weights; lmengine gets the same weights (Qwen3's are shared as they are,
-gpt-oss's converted to fused_moe's layout). transformers runs its "eager" experts (a loop over
-the experts that have tokens).
+config with random weights; lmengine runs a copy of that module patched as the engine patches
+it (its routing and `fused_moe`, the experts prepared as the engine prepares them at the first
+forward: gpt-oss's converted to fused_moe's layout, both moved to huge pages where Linux has
+them; `--pages 4k` keeps them where they are). transformers runs its "eager" experts (a loop
+over the experts that have tokens).
 
 Every call gets fresh tokens (so fresh routing), and before each call the last-level cache is
 flushed by reading a buffer larger than it: the weights come from memory, as in a real forward
@@ -31,10 +33,10 @@ import platform
 import statistics
 import sys
 import time
+from copy import deepcopy
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 LAYERS = ("qwen3-moe", "gpt-oss")
 
@@ -60,12 +62,13 @@ def last_level_cache_bytes() -> int:
 
 
 class Qwen3MoeLayer:
-    """transformers' Qwen3MoeSparseMoeBlock, and lmengine's routing + fused_moe on its very
-    weight tensors (the layouts agree)."""
+    """transformers' Qwen3MoeSparseMoeBlock, and a copy patched as lmengine patches it."""
 
     def __init__(self, dtype: torch.dtype, quick: bool) -> None:
         from transformers import Qwen3MoeConfig
         from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+        from lmengine.models.qwen import PatchedQwen3MoeSparseMoeBlock
 
         size = dict(hidden_size=64, moe_intermediate_size=32) if quick else {}
         config = Qwen3MoeConfig(
@@ -76,36 +79,31 @@ class Qwen3MoeLayer:
         )
         config._experts_implementation = "eager"
         self.hidden = config.hidden_size
-        self.top_k = config.num_experts_per_tok
         self.block = _random_module(Qwen3MoeSparseMoeBlock(config), dtype)
+        self.patched = _patched_copy(self.block, PatchedQwen3MoeSparseMoeBlock)
         self.describe = (
             f"Qwen3-MoE: hidden {config.hidden_size}, {config.num_experts} experts, "
-            f"top-{self.top_k}, intermediate {config.moe_intermediate_size}, SiLU, no biases"
+            f"top-{config.num_experts_per_tok}, intermediate {config.moe_intermediate_size}, "
+            "SiLU, no biases"
         )
 
     def transformers(self, x: torch.Tensor) -> torch.Tensor:
         return self.block(x[None])[0]
 
     def lmengine(self, x: torch.Tensor) -> torch.Tensor:
-        from lmengine.kernels.moe import fused_moe
-
-        logits = F.linear(x, self.block.gate.weight)  # [num_tokens, num_experts]
-        probs = logits.float().softmax(-1)
-        weights, ids = probs.topk(self.top_k, dim=-1)
-        weights = (weights / weights.sum(-1, keepdim=True)).to(x.dtype)
-        experts = self.block.experts
-        return fused_moe(x, experts.gate_up_proj, experts.down_proj, weights, ids, F.silu)
+        return self.patched(x)
 
 
 class GptOssLayer:
-    """transformers' GptOssMLP, and lmengine's routing + fused_moe on the same weights converted
-    to its layout (gate and up de-interleaved, the matrices transposed)."""
+    """transformers' GptOssMLP, and a copy patched as lmengine patches it (its experts turned
+    to fused_moe's layout at the first call: gate and up de-interleaved, the matrices
+    transposed)."""
 
     def __init__(self, dtype: torch.dtype, quick: bool) -> None:
         from transformers import GptOssConfig
         from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
 
-        from lmengine.kernels.activation import ClampedSwiGLU
+        from lmengine.models.gpt_oss import PatchedGptOssMLP
 
         width = 64 if quick else 2880
         config = GptOssConfig(
@@ -116,42 +114,28 @@ class GptOssLayer:
         )
         config._experts_implementation = "eager"
         self.hidden = config.hidden_size
-        self.top_k = config.num_experts_per_tok
         self.mlp = _random_module(GptOssMLP(config), dtype)
-        experts = self.mlp.experts
-        with torch.no_grad():
-            gate_up, bias = experts.gate_up_proj, experts.gate_up_proj_bias
-            self.w_gate_up = torch.cat([gate_up[..., ::2], gate_up[..., 1::2]], -1)
-            self.w_gate_up = self.w_gate_up.transpose(1, 2).contiguous()  # [E, 2I, H]
-            self.b_gate_up = torch.cat([bias[..., ::2], bias[..., 1::2]], -1).contiguous()
-            self.w_down = experts.down_proj.transpose(1, 2).contiguous()  # [E, H, I]
-            self.b_down = experts.down_proj_bias.detach()
-        self.act = ClampedSwiGLU(alpha=config.swiglu_alpha, limit=config.swiglu_limit)
+        self.patched = _patched_copy(self.mlp, PatchedGptOssMLP)
         self.describe = (
             f"gpt-oss: hidden {config.hidden_size}, {config.num_local_experts} experts, "
-            f"top-{self.top_k}, intermediate {config.intermediate_size}, biases, ClampedSwiGLU"
+            f"top-{config.num_experts_per_tok}, intermediate {config.intermediate_size}, "
+            "biases, ClampedSwiGLU"
         )
 
     def transformers(self, x: torch.Tensor) -> torch.Tensor:
         return self.mlp(x[None])[0][0]
 
     def lmengine(self, x: torch.Tensor) -> torch.Tensor:
-        from lmengine.kernels.moe import fused_moe
+        return self.patched(x)
 
-        router = self.mlp.router
-        logits = F.linear(x, router.weight, router.bias)  # [num_tokens, num_experts]
-        top, ids = logits.topk(self.top_k, dim=-1)
-        weights = top.softmax(dim=1, dtype=top.dtype)
-        return fused_moe(
-            x,
-            self.w_gate_up,
-            self.w_down,
-            weights,
-            ids,
-            self.act,
-            b_gate_up=self.b_gate_up,
-            b_down=self.b_down,
-        )
+
+def _patched_copy(module: torch.nn.Module, patched_class: type) -> torch.nn.Module:
+    """A copy of `module` (its own weights) turned into lmengine's patched class, as
+    lmengine.models.patch does to a loaded model."""
+    copy = deepcopy(module)
+    copy.__class__ = patched_class
+    copy.lmengine_post_patch()
+    return copy
 
 
 def _random_module(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
@@ -203,7 +187,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     parser.add_argument("--no-flush", action="store_true", help="keep the caches between calls")
     parser.add_argument("--quick", action="store_true", help="small sizes, few calls")
+    parser.add_argument(
+        "--pages",
+        choices=("huge", "4k"),
+        default="huge",
+        help="where lmengine's experts live: on huge pages as the engine places them, or left "
+        "on the 4 KiB pages the module was built on",
+    )
     args = parser.parse_args(argv)
+    if args.pages == "4k":
+        from lmengine.kernels import huge_pages
+
+        huge_pages.huge_pages_available = lambda: False
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.quick:
@@ -217,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{os.getloadavg()[0]:.2f} at the start"
     )
     print(f"torch {torch.__version__}, transformers {transformers.__version__}")
+    print(f"lmengine's experts on {'huge' if args.pages == 'huge' else '4 KiB'} pages")
     flush = None
     if not args.no_flush and not args.quick:
         flush = torch.ones(last_level_cache_bytes() * 5 // 4 // 4)  # float32

@@ -172,6 +172,7 @@ def test_tp2_equals_tp1_on_other_architectures(arch, tmp_path, smollm2_path):
         ("olmo2", "OLMo 2's q/k norms span every head"),
         ("mixtral", "tensor 'model.layers.0.mlp.gate.weight' is not in it"),
         ("opt", "declares no tensor-parallel plan"),
+        ("gpt_oss", "declares no tensor-parallel plan"),
     ],
 )
 def test_tp2_on_an_architecture_it_cannot_split_is_a_clear_error(

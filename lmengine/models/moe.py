@@ -3,7 +3,8 @@ transformers loads (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H
 the batched expert kernel (kernels/moe.py), behind a router each block defines.
 
 Neither the router nor the experts are nn.Linears, so linear transforms (TP, LoRA, w8a8) do
-not see them.
+not see them. On the CPU the expert weights move to huge pages at the first forward, once they
+are final (under tensor parallelism they arrive after patching): kernels/huge_pages.py.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from lmengine.distributed.comm import all_reduce
+from lmengine.kernels.huge_pages import on_huge_pages
 from lmengine.kernels.moe import fused_moe, pack_experts
 
 
@@ -35,6 +37,8 @@ class ExpertsMixin:
 
     # under tensor parallelism, the experts [start, stop) this rank holds (distributed/shard.py)
     lmengine_expert_range: tuple[int, int] | None = None
+    # the expert weights were moved to huge pages (at the first forward)
+    experts_placed = False
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.run_experts(hidden_states)
@@ -53,7 +57,19 @@ class ExpertsMixin:
         """The experts' activation for fused_moe (gpt-oss overrides: a gated one)."""
         return self.experts.act_fn
 
+    def place_experts(self) -> None:
+        """The expert weights on huge pages (CPU; kernels/huge_pages.py), once."""
+        experts = self.experts
+        for name in ("gate_up_proj", "down_proj"):
+            weight = getattr(experts, name).detach()
+            placed = on_huge_pages(weight)
+            if placed is not weight:
+                setattr(experts, name, torch.nn.Parameter(placed, requires_grad=False))
+        self.experts_placed = True
+
     def _fused(self, hidden_states, topk_weights, topk_ids) -> torch.Tensor:
+        if not self.experts_placed:
+            self.place_experts()
         experts = self.experts
         return fused_moe(
             hidden_states,

@@ -35,6 +35,10 @@ SHAPES = {
     "e128_top8_one_token": (1, 128, 8, 64, 48),  # Qwen3-MoE's routing: 120 experts idle
     "e128_top8": (70, 128, 8, 64, 48),  # 560 slots over 128 experts, a few empty
     "wide": (150, 4, 2, 160, 96),  # ~75 rows per expert: several 32-row chunks, hidden > 128
+    # bfloat16 on AMX tiles: gate/up on 16-row weight groups plus 8 rows on the dot products
+    "tile_tail_gate_up": (20, 4, 2, 64, 40),
+    # and down's second block of output columns: 16 rows on the tiles, 8 on the dot products
+    "tile_tail_down": (20, 4, 2, 88, 64),
 }
 # the activations the compiled layer computes; ClampedSwiGLU's limit is low enough that the
 # clamps bite on these N(0, ~2) gate/up values
@@ -369,3 +373,65 @@ def test_compiled_layer_rejects_out_of_range_expert_ids(ext):
     with pytest.raises(RuntimeError, match="out of range"):
         fused_moe(x, wgu, wd, weights, ids, F.silu)
     assert cpu_ext.load() is not None
+
+
+def _advised_for_huge_pages(t: torch.Tensor) -> bool:
+    """Whether the mapping holding t's data carries madvise(MADV_HUGEPAGE) (smaps' "hg")."""
+    import re
+
+    addr, inside = t.data_ptr(), False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            span = re.match(r"([0-9a-f]+)-([0-9a-f]+) ", line)
+            if span:
+                inside = int(span[1], 16) <= addr < int(span[2], 16)
+            elif inside and line.startswith("VmFlags:"):
+                return "hg" in line.split()
+    return False
+
+
+def test_on_huge_pages_copies_large_cpu_tensors_only(monkeypatch):
+    from lmengine.kernels import huge_pages
+
+    big = torch.randn(3, 512, 1024)  # 6 MiB
+    placed = huge_pages.on_huge_pages(big)
+    if not huge_pages.huge_pages_available():
+        assert placed is big
+        pytest.skip("no transparent huge pages on this system")
+    assert placed.data_ptr() != big.data_ptr() and torch.equal(placed, big)
+    assert placed.is_contiguous() and placed.data_ptr() % huge_pages.HUGE_PAGE == 0
+    assert _advised_for_huge_pages(placed) and not _advised_for_huge_pages(big)
+    small = torch.randn(1000)
+    assert huge_pages.on_huge_pages(small) is small
+    monkeypatch.setattr(huge_pages, "huge_pages_available", lambda: False)
+    assert huge_pages.on_huge_pages(big) is big
+
+
+def test_patched_block_moves_its_experts_to_huge_pages():
+    """Qwen3-MoE's patched block: the experts move at the first forward, the output does not."""
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    from lmengine.kernels.huge_pages import huge_pages_available
+    from lmengine.models.qwen import PatchedQwen3MoeSparseMoeBlock
+
+    cfg = Qwen3MoeConfig(
+        hidden_size=256, moe_intermediate_size=128, num_experts=8, num_experts_per_tok=2
+    )
+    torch.manual_seed(0)
+    block = Qwen3MoeSparseMoeBlock(cfg).eval().requires_grad_(False)
+    for p in block.parameters():
+        p.normal_(0, 0.05)
+    x = torch.randn(5, 256)
+    experts = block.experts
+    weights, ids = block.gate(x)[1:]
+    expected = fused_moe(x, experts.gate_up_proj, experts.down_proj, weights, ids, F.silu)
+    before = experts.gate_up_proj.data_ptr()
+    block.__class__ = PatchedQwen3MoeSparseMoeBlock
+    block.lmengine_post_patch()
+    got = block(x)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    assert block.experts_placed
+    if huge_pages_available():  # gate_up [8, 256, 256] float32: 2 MiB
+        assert experts.gate_up_proj.data_ptr() != before
+        assert _advised_for_huge_pages(experts.gate_up_proj)

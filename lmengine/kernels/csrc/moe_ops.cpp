@@ -6,20 +6,26 @@
 // 1. gate/up: tasks of (expert, block of kBlockN intermediate columns); each computes the gate
 //    and the up columns of the block for all the expert's rows and writes act(gate, up) to an
 //    intermediate [num_slots, inter] buffer in expert order (rounded to bfloat16 in bfloat16).
-// 2. down: tasks of one block of output columns, over every expert: a task owns its columns of
-//    the float32 output accumulator, so the weighted sum needs no atomics and no [num_slots,
-//    hidden] buffer. Contributions arrive in expert order.
+// 2. down: tasks of one block of output columns (up to kDownBlockN), over every expert: a task
+//    owns its columns of the float32 output accumulator, so the weighted sum needs no atomics
+//    and no [num_slots, hidden] buffer. Contributions arrive in expert order.
 // Tasks go to the threads through a shared counter (a thread on a busy core takes fewer).
 //
 // The GEMMs read the weights as stored ([N, K] rows, no packed copy); at decode sizes a MoE layer
-// is a stream over the weights of the experts that have tokens. Below `amx_rows` rows an expert
-// runs dot-product tiles: kMaxRows rows of x against kWeightRows weight rows, every weight row
-// read once from memory, float32 accumulators (bfloat16: AVX512-BF16 pair products where the
-// build has them, else a 16-bit shift to float32 and an FMA). From `amx_rows` rows a bfloat16
-// expert takes the AMX tiles where the build has them (amx_gemm: oneDNN's brgemm with the
-// weights as its A operand, the few rows of x as B); float32 stays on the dot products (brgemm
-// on weight blocks transposed per task and MKL's sgemm per block were no faster up to 128 rows
-// per expert).
+// is a stream over the weights of the experts that have tokens, and the kernels' job is to keep
+// that stream at the memory's speed. Below `amx_rows` rows an expert runs dot-product tiles:
+// kMaxRows rows of x against kWeightRows weight rows, every weight row read once from memory,
+// float32 accumulators (bfloat16: AVX512-BF16 pair products where the build has them, else a
+// 16-bit shift to float32 and an FMA). From `amx_rows` rows a bfloat16 expert takes the AMX
+// tiles where the build has them (amx_tiles: the weights as the A operand, loaded from their
+// rows as stored, the rows of x as B); float32 stays on the dot products (brgemm on weight
+// blocks transposed per task and MKL's sgemm per block were no faster up to 128 rows per
+// expert). Why AMX from 2 rows: a core's AVX512-BF16 pair products take 0.65 ns each, so 4 rows
+// of x against the weights compute at 25 GB/s of weights with the data in L1, about twice what
+// one core streams from memory (12-16 GB/s), and a stream and a computation that long do not
+// overlap: Qwen3-MoE's layer at 64 tokens (~4 rows per expert) read 18 GB/s on two cores. A
+// tile product takes 16 rows x 32 k of weights per 16 cycles (~160 GB/s) whatever the rows of
+// x: the same layer reads 21-22 GB/s, 25 on huge pages.
 //
 // bfloat16 rounds where transformers' eager bfloat16 experts round: each GEMM output, the bias
 // sum, the activation's intermediate products (silu before the multiply by up; ClampedSwiGLU's
@@ -27,7 +33,6 @@
 // over the top-k experts is float32, rounded once.
 
 #include <ATen/Parallel.h>
-#include <ATen/native/CPUBlas.h>
 #include <torch/extension.h>
 
 #include <algorithm>
@@ -38,6 +43,13 @@
 #include <type_traits>
 #include <vector>
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define LMENGINE_MOE_AMX 1
+#endif
+
 #include "bf16_rows.h"
 #include "bindings.h"
 #include "vec_math.h"
@@ -47,7 +59,8 @@ namespace {
 // the activation codes of lmengine/kernels/moe.py
 enum class Act : int64_t { kSilu = 0, kGeluTanh = 1, kClampedSwiglu = 2 };
 
-constexpr int64_t kBlockN = 64;     // output columns per task (intermediate ones in phase 1)
+constexpr int64_t kBlockN = 64;       // intermediate columns per task of phase 1
+constexpr int64_t kDownBlockN = 256;  // at most, output columns per task of phase 2
 constexpr int64_t kChunkRows = 32;  // rows per GEMM call and per epilogue pass
 constexpr int kMaxRows = 4;         // rows of x per dot-product tile
 
@@ -206,7 +219,7 @@ void dot_tile_dpbf16(const uint16_t* const* a, const uint16_t* const* w,
 // is how the tests reach the portable kernels on a CPU that has more)
 struct Units {
   bool dpbf16 = false;  // AVX512-BF16 pair products
-  bool amx = false;     // brgemm on AMX tiles for bfloat16
+  bool amx = false;     // AMX tiles for bfloat16
 };
 
 // One dot_tile call: kM = rows (1 to kMaxRows), the AVX512-BF16 form where it applies
@@ -271,8 +284,8 @@ void dot_gemm(const T* const* a, int64_t mb, const T* const* w, int64_t nb, int6
   }
 }
 
-// x rows (pointers) [mb, k] -> dst [k / 2, mb] 32-bit words: the rows as brgemm's B operand
-// in VNNI pairs (x^T: a bfloat16 pair of a row is one word), for amx_gemm. vec_math.h's
+// x rows (pointers) [mb, k] -> dst [k / 2, mb] 32-bit words: the rows as the B operand of
+// amx_tiles, in VNNI pairs (x^T: a bfloat16 pair of a row is one word). vec_math.h's
 // transpose_bits_block over row pointers.
 inline void vnni_rows(const uint16_t* const* rows, int64_t mb, int64_t k, uint32_t* dst) {
   const int64_t cols = k / 2, rows16 = mb / 16 * 16, cols16 = cols / 16 * 16;
@@ -293,34 +306,79 @@ inline void vnni_rows(const uint16_t* const* rows, int64_t mb, int64_t k, uint32
     for (int64_t j = i < rows16 ? cols16 : 0; j < cols; ++j) dst[j * mb + i] = word(i)[j];
 }
 
-constexpr int64_t kAmxChunkK = 512;  // k per brgemm call of amx_gemm
+#if LMENGINE_MOE_AMX
+// The 64-byte block ldtilecfg reads (palette 1): each tile's rows and bytes per row
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
 
-// c[m, j] = dot(x[m], w[j]) on AMX tiles, for the nb weight rows of w (k apart, contiguous) and
-// the mb rows of x given as xv = vnni_rows(x): brgemm computes c^T = w x^T with the weights as
-// its A operand, read as stored (no relayout of the weights, which cost twice the GEMM), in
-// chunks of kAmxChunkK along k, the next chunk of weight rows requested before each call.
-// ct: [nb, mb] scratch.
-inline void amx_gemm(const uint16_t* w, int64_t nb, int64_t k, const uint32_t* xv, int64_t mb,
-                     float* ct, float* c, int64_t ldc) {
-  for (int64_t k0 = 0; k0 < k; k0 += kAmxChunkK) {
-    const int64_t kb = std::min(kAmxChunkK, k - k0);
-    const int64_t next_bytes = std::min(kAmxChunkK, k - k0 - kb) * 2;
-    for (int64_t j = 0; j < nb; ++j)
-      for (int64_t b = 0; b < next_bytes; b += 64)
-        prefetch(reinterpret_cast<const char*>(w + j * k + k0 + kb) + b);
-    at::native::cpublas::brgemm(nb, mb, kb, k, mb, mb, k0 > 0,
-                                reinterpret_cast<const at::BFloat16*>(w + k0),
-                                reinterpret_cast<const at::BFloat16*>(xv + k0 / 2 * mb), ct,
-                                true);
-  }
-  transpose_block(ct, mb, c, ldc, nb, mb);
+// Whether Linux lets this process use the AMX tile state (asked once: a process must ask before
+// its first tile instruction)
+inline bool amx_permitted() {
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                                 18 /* XFEATURE_XTILEDATA */) == 0;
+  return ok;
 }
+
+// Steps of 32 k by which amx_tiles requests the weights ahead of its tile loads: 8 (4 KiB over
+// 16 rows) read Qwen3-MoE's layer at 64 tokens 2-8 % faster than 0, 2, 4 or 16
+constexpr int64_t kAmxAhead = 8;
+
+// c[m, j] = dot(x[m], w[j]) on AMX tiles for the mb (at most 32) rows of x given as xv =
+// vnni_rows(x) [k / 2, mb] words and the nb weight rows of w (k apart; nb % 16 == 0,
+// k % 32 == 0): 16 weight rows at a time as the A operand, loaded from their rows as stored (16
+// rows x 32 k per tile), against the rows of x as B (16 k pairs x 16 rows each), into C tiles
+// of 16 weight rows x 16 rows of x. The lines kAmxAhead steps ahead are requested before each
+// step, past the end of a group into the next one. ct: [16, 32] scratch.
+inline void amx_tiles(const uint16_t* w, int64_t nb, int64_t k, const uint32_t* xv, int64_t mb,
+                      float* ct, float* c, int64_t ldc) {
+  const int n0 = static_cast<int>(std::min<int64_t>(mb, 16)), n1 = static_cast<int>(mb) - n0;
+  // tiles 0, 1: C (16 weight rows x n0 | n1 rows of x); 2: A; 3, 4: B (16 k pairs x n0 | n1)
+  TileConfig cfg;
+  cfg.rows[0] = cfg.rows[2] = cfg.rows[3] = 16;
+  cfg.colsb[0] = cfg.colsb[3] = static_cast<uint16_t>(n0 * 4);
+  cfg.colsb[2] = 64;
+  if (n1 > 0) {
+    cfg.rows[1] = cfg.rows[4] = 16;
+    cfg.colsb[1] = cfg.colsb[4] = static_cast<uint16_t>(n1 * 4);
+  }
+  _tile_loadconfig(&cfg);
+  const int64_t steps = k / 32, row_bytes = k * 2, x_bytes = mb * 4;
+  for (int64_t j0 = 0; j0 < nb; j0 += 16) {
+    const char* group = reinterpret_cast<const char*>(w + j0 * k);
+    const char* next = j0 + 16 < nb ? group + 16 * row_bytes : nullptr;
+    _tile_zero(0);
+    if (n1 > 0) _tile_zero(1);
+    for (int64_t s = 0; s < steps; ++s) {
+      const int64_t ahead = s + kAmxAhead;
+      if (ahead < steps) {
+        for (int r = 0; r < 16; ++r) prefetch(group + r * row_bytes + ahead * 64);
+      } else if (next != nullptr) {
+        for (int r = 0; r < 16; ++r) prefetch(next + r * row_bytes + (ahead - steps) * 64);
+      }
+      _tile_loadd(2, group + s * 64, row_bytes);
+      _tile_loadd(3, xv + s * 16 * mb, x_bytes);
+      _tile_dpbf16ps(0, 2, 3);
+      if (n1 > 0) {
+        _tile_loadd(4, xv + s * 16 * mb + 16, x_bytes);
+        _tile_dpbf16ps(1, 2, 4);
+      }
+    }
+    _tile_stored(0, ct, 32 * 4);
+    if (n1 > 0) _tile_stored(1, ct + 16, 32 * 4);
+    for (int64_t m = 0; m < mb; ++m)
+      for (int j = 0; j < 16; ++j) c[m * ldc + j0 + j] = ct[j * 32 + m];
+  }
+}
+#endif
 
 // Whether an expert of `rows` rows runs on the AMX tiles (else the dot products): bfloat16 from
 // amx_rows rows on an AMX build
 template <typename T>
 bool takes_amx(int64_t rows, int64_t amx_rows, int64_t k, const Units& units) {
-  return std::is_same_v<T, uint16_t> && units.amx && rows >= amx_rows && k % 2 == 0;
+  return std::is_same_v<T, uint16_t> && units.amx && rows >= amx_rows && k % 32 == 0;
 }
 
 // ---- the epilogues -----------------------------------------------------------------------
@@ -403,17 +461,19 @@ void run_tasks(int64_t num_tasks, const Fn& fn) {
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     Scratch scratch;
     for (int64_t t = next.fetch_add(1); t < num_tasks; t = next.fetch_add(1)) fn(t, scratch);
-    if (scratch.used_tiles) at::native::cpublas::brgemm_release();
+#if LMENGINE_MOE_AMX
+    if (scratch.used_tiles) _tile_release();
+#endif
   });
 }
 
 struct Scratch {
-  std::vector<float> c0, c1;  // [kChunkRows, kBlockN] GEMM outputs (gate and up)
-  std::vector<float> ct;      // [kBlockN, kChunkRows] amx_gemm's transposed output
-  bool used_tiles = false;    // amx_gemm ran (the AMX tile state is to be released)
+  std::vector<float> c0, c1;  // GEMM outputs: [kChunkRows, kBlockN] gate and up; phase 2: c0 [kChunkRows, block2]
+  std::vector<float> ct;      // [16, 32] amx_tiles' C tiles
+  bool used_tiles = false;    // amx_tiles ran (the AMX tile state is to be released)
 };
 
-// A run of sorted rows (at most kChunkRows) of an expert that takes amx_gemm
+// A run of sorted rows (at most kChunkRows) of an expert that takes amx_tiles
 struct Chunk {
   int64_t first, rows;  // sorted row index, count
 };
@@ -432,21 +492,29 @@ void vnni_chunks(const std::vector<Chunk>& chunks, int64_t k, const RowsOf& rows
 }
 
 // c [mb, nb] (row stride nb) = the chunk's rows (a: pointers; xv: their vnni_rows, for amx)
-// against nb weight rows of w, k apart
+// against nb (at most kDownBlockN) weight rows of w, k apart; on the tiles, the rows past the
+// last multiple of 16 take the dot products
 template <typename T>
 void chunk_gemm(bool amx, const T* const* a, const uint32_t* xv, int64_t mb, const T* w,
                 int64_t nb, int64_t k, const Units& units, Scratch& s, float* c) {
+  int64_t done = 0;  // weight rows computed on the tiles
+#if LMENGINE_MOE_AMX
   if constexpr (std::is_same_v<T, uint16_t>) {
     if (amx) {
       s.used_tiles = true;
-      s.ct.resize(kBlockN * kChunkRows);
-      amx_gemm(w, nb, k, xv, mb, s.ct.data(), c, nb);
-      return;
+      s.ct.resize(16 * 32);
+      done = nb / 16 * 16;
+      amx_tiles(w, done, k, xv, mb, s.ct.data(), c, nb);
     }
   }
-  const T* wr[kBlockN];
-  for (int64_t j = 0; j < nb; ++j) wr[j] = w + j * k;
-  dot_gemm(a, mb, wr, nb, k, units, c, nb);
+#endif
+  (void)amx;
+  (void)xv;
+  (void)s;
+  if (done == nb) return;
+  const T* wr[kDownBlockN];
+  for (int64_t j = done; j < nb; ++j) wr[j - done] = w + j * k;
+  dot_gemm(a, mb, wr, nb - done, k, units, c + done, nb);
 }
 
 template <typename T>
@@ -483,7 +551,7 @@ void moe_layer(const Layer& L, const T* x, const T* w13, const T* w2, const T* b
   const int64_t num_active = static_cast<int64_t>(active.size());
   auto x_row = [&](int64_t r) { return x + (sorted[r] / K) * H; };  // of sorted row r
   std::vector<T> inter(static_cast<size_t>(num_slots * I));  // [num_slots, I], sorted rows
-  std::vector<uint32_t> x_vnni, inter_vnni;  // the AMX chunks' rows as brgemm's B operand
+  std::vector<uint32_t> x_vnni, inter_vnni;  // the AMX chunks' rows as amx_tiles' B operand
   if constexpr (std::is_same_v<T, uint16_t>) {
     x_vnni.resize(amx_chunks1.empty() ? 0 : static_cast<size_t>(num_slots * H / 2));
     vnni_chunks(amx_chunks1, H, x_row, x_vnni.data());
@@ -522,10 +590,15 @@ void moe_layer(const Layer& L, const T* x, const T* w13, const T* w2, const T* b
   }
 
   // phase 2: acc[token] += weight * (inter W2^T + b2), a task per block of output columns
-  const int64_t blocks2 = (H + kBlockN - 1) / kBlockN;
+  // the widest blocks of kBlockN columns up to kDownBlockN that still make 4 tasks a thread:
+  // each task reads a longer run of each expert's rows (256: 12 % faster than 64 on two threads)
+  const int64_t threads = at::get_num_threads();
+  const int64_t block2 = std::clamp<int64_t>(
+      (H / (4 * threads) + kBlockN - 1) / kBlockN * kBlockN, kBlockN, kDownBlockN);
+  const int64_t blocks2 = (H + block2 - 1) / block2;
   run_tasks<Scratch>(blocks2, [&](int64_t task, Scratch& s) {
-    const int64_t n0 = task * kBlockN, nb = std::min(kBlockN, H - n0);
-    s.c0.resize(kChunkRows * kBlockN);
+    const int64_t n0 = task * block2, nb = std::min(block2, H - n0);
+    s.c0.resize(kChunkRows * block2);
     for (const int64_t e : active) {
       const int64_t first = start[e], rows = start[e + 1] - first;
       const T* down_w = w2 + (e * H + n0) * I;
@@ -555,10 +628,10 @@ void check_cpu(const at::Tensor& t, at::ScalarType dtype, const char* name) {
 
 }  // namespace
 
-// Whether this build runs bfloat16 experts with brgemm on AMX tiles when asked
+// Whether this build runs bfloat16 experts on AMX tiles when asked
 bool fused_moe_amx_available() {
-#if defined(__AMX_BF16__)
-  return at::hasMKLDNN();
+#if LMENGINE_MOE_AMX
+  return amx_permitted();
 #else
   return false;
 #endif
@@ -645,7 +718,7 @@ at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& w_gate_up, const at:
 
 void register_moe_ops(py::module& m) {
   m.def("fused_moe_amx_available", &fused_moe_amx_available, release_gil(),
-        "whether fused_moe runs bfloat16 experts with brgemm on AMX tiles");
+        "whether fused_moe runs bfloat16 experts on AMX tiles");
   m.def("fused_moe", &fused_moe, release_gil(),
         "a mixture-of-experts layer: every expert's gate/up GEMM, bias, activation, down GEMM, "
         "bias and the router-weighted sum, in one call (float32 or bfloat16, CPU)",
