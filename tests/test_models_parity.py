@@ -1,7 +1,8 @@
 """HF parity for every architecture in MODULE_MAP: greedy float32 output of the engine equals
 transformers `generate`, token for token, on a tiny random model of each architecture saved
 with save_pretrained and loaded through the real loading code, with concurrent requests,
-chunked prefill, preemption and prefix caching.
+chunked prefill, preemption and prefix caching. On the architectures of the 2025-26 wave also
+speculative decoding, hidden states, steering and a grammar.
 
 Sliding windows (8 keys) are shorter than most prompts, so a kernel that ignored them would
 diverge; Gemma 2's soft caps are low enough to bite on these weights.
@@ -304,3 +305,59 @@ def test_architecture_logits_match_transformers(arch_case):
         expected = torch.cat([model(torch.tensor([p])).logits[0] for p in picked])
     got = patched_logits(patch(model), picked)
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+# the architectures of the 2025-26 wave: what else the engine does must keep working on them
+NEW_ARCHITECTURES = {"gemma3", "qwen3_moe", "gpt_oss", "deepseek_v3", "olmo2", "smollm3"}
+NEW_ARCHITECTURES |= {"granite", "glm4"}
+
+
+def test_new_architectures_under_speculation_hooks_and_grammars(arch_case):
+    """On each new architecture: speculative decoding (drafts verified several tokens at a time
+    through windows, sinks and the latent cache, a wrong draft every fourth position) gives
+    transformers' greedy tokens; hidden states equal transformers' and a steering vector
+    steers as a transformers hook does, next to an unsteered request; a regex holds."""
+    import re
+
+    from transformers import AutoConfig
+
+    from lmengine.config import SpeculativeConfig, SteeringVector
+    from tests.test_research import check_hidden_states, hf_steered
+    from tests.test_speculative import OracleProposer
+
+    name, path, prompts, _ = arch_case
+    if name not in NEW_ARCHITECTURES:
+        pytest.skip("an architecture of the earlier waves (covered by tests/test_speculative.py)")
+    expected = hf_greedy(path, prompts, NEW_TOKENS, ignore_eos=True)
+    hidden = AutoConfig.from_pretrained(path).hidden_size
+    vector = SteeringVector(torch.randn(hidden, generator=torch.Generator().manual_seed(0)) * 8)
+    config = EngineConfig(
+        block_size=4,
+        num_gpu_blocks=256,
+        max_prefill_token_num=16,
+        speculative=SpeculativeConfig("ngram", num_speculative_tokens=3),
+    )
+    with Engine.from_pretrained(path, config) as engine:
+        oracle = OracleProposer(prompts, expected, corrupt_every=4)
+        engine.call(lambda: setattr(engine.model_agent, "proposer", oracle))
+        gen = GenerationConfig(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+        got = run_threads(engine, prompts, gen)
+        assert [r.token_ids for r in got] == expected, name
+        spec = engine.stats()["speculative"]
+        assert 0 < spec["num_accepted_tokens"] < spec["num_draft_tokens"], spec
+        engine.call(lambda: setattr(engine.model_agent, "proposer", None))
+        configs = [
+            GenerationConfig(max_new_tokens=6, ignore_eos=True, output_hidden_states="all"),
+            GenerationConfig(max_new_tokens=6, ignore_eos=True, steering={1: vector}),
+            GenerationConfig(max_new_tokens=6, ignore_eos=True),
+            GenerationConfig(max_new_tokens=8, structured_outputs={"regex": "(yes|no)[0-9]{2}"}),
+        ]
+        probe, steered, plain, constrained = run_threads(engine, prompts[3:7], configs)
+        engine.check_integrity()
+    check_hidden_states(
+        path, prompts[3] + probe.token_ids, probe.hidden_states, sorted(probe.hidden_states)
+    )
+    assert steered.token_ids == hf_steered(path, prompts[4], {1: vector}, 6)
+    assert steered.token_ids != expected[4][:6]  # the vector is large enough to steer
+    assert plain.token_ids == expected[5][:6]
+    assert re.fullmatch("(yes|no)[0-9]{2}", constrained.text), constrained.text
