@@ -1,7 +1,7 @@
 """HF parity for every architecture in MODULE_MAP: greedy float32 output of the engine equals
 transformers `generate`, token for token, on a tiny random model of each architecture saved
 with save_pretrained and loaded through the real loading code, with concurrent requests,
-chunked prefill, preemption and prefix caching. On the architectures of the 2025-26 wave also
+chunked prefill, preemption (recompute and swap) and prefix caching. On the architectures of the 2025-26 wave also
 speculative decoding, hidden states, steering and a grammar.
 
 Sliding windows (8 keys) are shorter than most prompts, so a kernel that ignored them would
@@ -171,6 +171,8 @@ ENGINE_CONFIGS = {
     "chunked": dict(block_size=16, num_gpu_blocks=256, max_prefill_token_num=7),
     # the prompts run twice: the second time their prefixes come from the cache
     "prefix": dict(block_size=4, num_gpu_blocks=256, enable_prefix_caching=True),
+    # preempted sequences' blocks go to host memory and come back
+    "swap": dict(block_size=4, num_gpu_blocks=30, eviction_type="swap", num_cpu_blocks=400),
 }
 
 
@@ -232,13 +234,17 @@ def test_architecture_matches_transformers(arch_case, engine_config):
         gen = GenerationConfig(max_new_tokens=NEW_TOKENS)
         rounds = 2 if engine_config == "prefix" else 1
         for _ in range(rounds):
-            got = run_threads(engine, prompts, gen, together=engine_config == "preempt")
+            together = engine_config in ("preempt", "swap")
+            got = run_threads(engine, prompts, gen, together=together)
             for i, (r, exp) in enumerate(zip(got, expected)):
                 assert r.finish_reason in ("stop", "length"), r.error
                 assert r.token_ids == exp, f"{name}: prompt {i} ({len(prompts[i])} tokens) differs"
         stats = engine.stats()
-        if engine_config == "preempt":
+        if engine_config in ("preempt", "swap"):
             assert stats["num_preemptions"] > 0, "the tiny pool was meant to force preemption"
+        if engine_config == "swap":
+            assert stats["num_swap_outs"] > 0, "preempted blocks were meant to be swapped out"
+            assert stats["num_free_cpu_blocks"] == stats["num_total_cpu_blocks"]
         if engine_config == "prefix":
             assert stats["num_prefix_cached_tokens"] > 0, "the second round was meant to hit"
         assert stats["num_free_blocks"] == stats["num_total_blocks"]
