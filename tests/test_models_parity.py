@@ -1,8 +1,8 @@
 """HF parity for every architecture in MODULE_MAP: greedy float32 output of the engine equals
 transformers `generate`, token for token, on a tiny random model of each architecture saved
 with save_pretrained and loaded through the real loading code, with concurrent requests,
-chunked prefill, preemption (recompute and swap) and prefix caching. On the architectures of the 2025-26 wave also
-speculative decoding, hidden states, steering and a grammar.
+chunked prefill, preemption (recompute and swap) and prefix caching. On the architectures of
+the 2025-26 wave also speculative decoding, hidden states, steering and a grammar.
 
 Sliding windows (8 keys) are shorter than most prompts, so a kernel that ignored them would
 diverge; Gemma 2's soft caps are low enough to bite on these weights.

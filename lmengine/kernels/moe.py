@@ -249,19 +249,25 @@ def fused_moe(
     b_down: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x: [num_tokens, hidden] -> sum_k topk_weights[:, k] * expert_{topk_ids[:, k]}(x), an
-    expert being down(gated(act_fn, gate_up(x) + b_gate_up) + b_down. `packed`: what
-    pack_experts prepared for the CPU path (None is fine: the compiled layer needs nothing)."""
+    expert being down(gated(act_fn, gate_up(x) + b_gate_up) + b_down. An id of -1 is no
+    expert: the slot adds nothing (under tensor parallelism, the slots of experts another rank
+    holds). `packed`: what pack_experts prepared for the CPU path (None is fine: the compiled
+    layer needs nothing)."""
     _check(x, w_gate_up, w_down, topk_weights, topk_ids, b_gate_up, b_down)
     if x.shape[0] == 0:
         return torch.zeros_like(x)
     args = (x, w_gate_up, w_down, topk_weights, topk_ids, act_fn)
+    num_tokens, top_k = topk_ids.shape
+    if not x.is_cuda and num_tokens * top_k < _LOOP_ROWS * w_gate_up.shape[0]:
+        out = fused_moe_compiled(*args, b_gate_up=b_gate_up, b_down=b_down)
+        if out is not None:  # the compiled layer leaves the slots of id -1 out itself
+            return out
+    none = topk_ids < 0
+    if bool(none.any()):  # the other paths: such a slot runs expert 0 with weight 0
+        topk_weights = topk_weights.masked_fill(none, 0.0)
+        args = (x, w_gate_up, w_down, topk_weights, topk_ids.clamp_min(0), act_fn)
     if x.is_cuda:
         from lmengine.kernels.triton.moe import fused_moe_triton
 
         return fused_moe_triton(*args, b_gate_up=b_gate_up, b_down=b_down)
-    num_tokens, top_k = topk_ids.shape
-    if num_tokens * top_k < _LOOP_ROWS * w_gate_up.shape[0]:
-        out = fused_moe_compiled(*args, b_gate_up=b_gate_up, b_down=b_down)
-        if out is not None:
-            return out
     return fused_moe_cpu(*args, packed, b_gate_up=b_gate_up, b_down=b_down)

@@ -101,9 +101,8 @@ def local_slots(
     topk_weights: torch.Tensor, topk_ids: torch.Tensor, expert_range: tuple[int, int]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The routing restricted to the experts [start, stop) one rank holds, as ids into them:
-    a slot of another rank's expert keeps weight 0 (on local expert 0), so the sum over ranks
+    a slot of another rank's expert gets id -1 (fused_moe leaves it out), so the sum over ranks
     is the full mixture."""
     start, stop = expert_range
     local = (topk_ids >= start) & (topk_ids < stop)
-    ids = torch.where(local, topk_ids - start, torch.zeros_like(topk_ids))
-    return topk_weights.masked_fill(~local, 0.0), ids
+    return topk_weights, torch.where(local, topk_ids - start, torch.full_like(topk_ids, -1))

@@ -152,6 +152,22 @@ def test_dispatch_takes_each_cpu_path(cpu_path, name, dtype):
         _assert_matches_reference(got, args, act, biases)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, BF16], ids=["fp32", "bf16"])
+def test_slots_of_id_minus_one_add_nothing(cpu_path, dtype):
+    """Under tensor parallelism a rank's slots of other ranks' experts have id -1: each path
+    (the compiled layer, the Python loop, and for an activation the compiled layer does not
+    know the loop again) gives the mixture without them."""
+    args, biases = _layer("e128_top8", dtype, has_bias=True, seed=6)
+    x, w_gate_up, w_down, weights, ids = args
+    none = torch.rand(ids.shape, generator=torch.Generator().manual_seed(6)) < 0.5
+    none[0] = True  # a token with no expert at all: zeros
+    dropped = (x, w_gate_up, w_down, weights.masked_fill(none, 0.0), ids.masked_fill(none, 0))
+    for act in (F.silu, _SquaredGate()):
+        got = fused_moe(x, w_gate_up, w_down, weights, ids.masked_fill(none, -1), act, **biases)
+        _assert_matches_reference(got, dropped, act, biases)
+        assert not got[0].any()
+
+
 def test_prompt_sized_batches_take_the_python_loop(monkeypatch):
     """From _LOOP_ROWS rows per expert on average the per-expert GEMMs serve the batch."""
     import lmengine.kernels.moe as moe
@@ -369,9 +385,10 @@ def test_rejects_bad_shapes():
 def test_compiled_layer_rejects_out_of_range_expert_ids(ext):
     x, wgu, wd, weights, ids = _inputs(*SHAPES["small"])
     ids = ids.clone()
-    ids[3, 1] = 4  # 4 experts: ids 0..3
-    with pytest.raises(RuntimeError, match="out of range"):
-        fused_moe(x, wgu, wd, weights, ids, F.silu)
+    for bad in (4, -2):  # 4 experts: ids 0..3, or -1 for none
+        ids[3, 1] = bad
+        with pytest.raises(RuntimeError, match="out of range"):
+            fused_moe(x, wgu, wd, weights, ids, F.silu)
     assert cpu_ext.load() is not None
 
 

@@ -522,19 +522,22 @@ void moe_layer(const Layer& L, const T* x, const T* w13, const T* w2, const T* b
                int64_t b13_stride, const T* b2, int64_t b2_stride, const float* topk_weights,
                const int64_t* topk_ids, float* acc) {
   const int64_t E = L.num_experts, H = L.hidden, I = L.inter, K = L.top_k;
-  const int64_t num_slots = L.num_tokens * K;
-  // counting sort of the slots by expert
+  const int64_t all_slots = L.num_tokens * K;
+  // counting sort of the slots by expert; a slot of id -1 has no expert and is left out
   std::vector<int64_t> start(E + 1, 0);
-  for (int64_t s = 0; s < num_slots; ++s) {
+  for (int64_t s = 0; s < all_slots; ++s) {
     const int64_t e = topk_ids[s];
-    TORCH_CHECK(e >= 0 && e < E, "fused_moe: expert id ", e, " out of range [0, ", E, ")");
-    ++start[e + 1];
+    TORCH_CHECK(e >= -1 && e < E, "fused_moe: expert id ", e, " out of range [0, ", E,
+                ") (or -1: no expert)");
+    if (e >= 0) ++start[e + 1];
   }
   for (int64_t e = 0; e < E; ++e) start[e + 1] += start[e];
-  std::vector<int64_t> sorted(num_slots);  // slot ids in expert order
+  const int64_t num_slots = start[E];       // the slots that have an expert
+  std::vector<int64_t> sorted(num_slots);  // their ids in expert order
   {
     std::vector<int64_t> fill(start.begin(), start.end() - 1);
-    for (int64_t s = 0; s < num_slots; ++s) sorted[fill[topk_ids[s]]++] = s;
+    for (int64_t s = 0; s < all_slots; ++s)
+      if (topk_ids[s] >= 0) sorted[fill[topk_ids[s]]++] = s;
   }
   std::vector<int64_t> active;                   // experts with rows
   std::vector<Chunk> amx_chunks1, amx_chunks2;  // of the gate/up and of the down GEMMs
