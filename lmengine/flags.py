@@ -200,6 +200,7 @@ PATH_KINDS = {
     "prompt_file": "file",
     "calib_file": "file",
     "chat_template": "file",
+    "lora_root": "folder",
     "EngineConfig.qos_config_path": "file",
     "EngineConfig.adapters": "adapters",
     "EngineConfig.speculative": "speculative",
@@ -224,6 +225,8 @@ def check_path_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) 
             check_file(flag, value)
         elif kind == "output":
             check_output_file(flag, value)
+        elif kind == "folder":
+            check_folder(flag, value)
         elif kind == "adapters":
             for name, folder in parse_mapping(value).items():
                 check_folder(f"{flag} {name}", folder)

@@ -194,3 +194,56 @@ def test_endpoints_are_absent_without_the_flag(tiny_llama_path):
         body = {"lora_name": "x", "lora_path": "/tmp"}
         assert http.post("/v1/load_lora_adapter", json=body).status_code == 404
         assert "/v1/load_lora_adapter" not in http.get("/openapi.json").json()["paths"]
+
+
+def test_lora_root_confines_runtime_loads(tiny_llama_path, folders, tmp_path):
+    """With --lora-root, a load is refused (403, naming the rule) unless its folder, symlinks
+    followed and `..` applied, lies inside the root; the answer is the same for folders that
+    do not exist, so it tells nothing of the file system."""
+    import os
+    import shutil
+
+    from fastapi.testclient import TestClient
+
+    from lmengine import Engine, EngineConfig
+    from lmengine.serve.app import ServerSettings, build_app
+
+    root = tmp_path / "root"
+    root.mkdir()
+    shutil.copytree(folders["r4_1"], root / "mine")
+    os.symlink(folders["r4_2"], root / "escape")  # inside by name, outside once resolved
+    os.symlink(root / "mine", tmp_path / "way_in")  # outside by name, inside once resolved
+    settings = ServerSettings(
+        model_name="tiny", enable_lora_updates=True, lora_root=os.path.realpath(root)
+    )
+    engine = Engine.from_pretrained(tiny_llama_path, EngineConfig(num_gpu_blocks=64))
+    with TestClient(build_app(engine, settings)) as http:
+
+        def load_from(name: str, path) -> httpx.Response:
+            body = {"lora_name": name, "lora_path": str(path)}
+            return http.post("/v1/load_lora_adapter", json=body)
+
+        assert load_from("mine", root / "mine").status_code == 200
+        assert load_from("via_link", tmp_path / "way_in").status_code == 200
+        for path in (
+            folders["r4_2"],
+            root / "escape",
+            root / "mine" / ".." / ".." / "root_sibling",
+            tmp_path / "no_such_folder",
+        ):
+            r = load_from("outside", path)
+            assert r.status_code == 403, (path, r.text)
+            error = r.json()["error"]
+            assert "only from folders inside the server's --lora-root" in error["message"]
+            assert error["param"] == "lora_path" and str(tmp_path) not in error["message"]
+        missing_inside = load_from("missing", root / "absent")
+        assert missing_inside.status_code == 400  # inside: the loader's own answer
+        models = {m["id"] for m in http.get("/v1/models").json()["data"]}
+        assert models == {"tiny", "mine", "via_link"}
+
+
+def test_lora_root_needs_lora_updates(tmp_path, capsys):
+    from lmengine.cli import main
+
+    assert main(["serve", "--lora-root", str(tmp_path)]) == 2
+    assert "--lora-root confines runtime adapter loads" in capsys.readouterr().err

@@ -44,6 +44,7 @@ def error_responses(*statuses: int) -> dict:
 ERROR_MEANINGS = {
     400: "invalid request (the message says what is wrong)",
     401: "missing or wrong API key",
+    403: "not allowed by the server's configuration (the message names the rule)",
     404: "unknown model or adapter",
     413: "request body too large",
     429: "too many queued requests (see Retry-After)",

@@ -15,7 +15,7 @@ import os
 import signal
 import sys
 
-from lmengine.flags import add_model_flags, build_dataclass, model_load_errors
+from lmengine.flags import FlagError, add_model_flags, build_dataclass, model_load_errors
 from lmengine.serve.tools import TOOL_PARSERS
 
 # NOTE: a server's steps carry fewer prompt tokens than offline generation's (4096), as
@@ -83,6 +83,13 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
         "behind the API keys): adapters loaded and unloaded while serving",
     )
     g.add_argument(
+        "--lora-root",
+        default=None,
+        metavar="DIR",
+        help="with --enable-lora-updates: load adapters only from folders inside DIR "
+        "(symlinks followed); others are answered 403",
+    )
+    g.add_argument(
         "--no-auto-tool-constraint",
         dest="auto_tool_constraint",
         action="store_false",
@@ -128,6 +135,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-body-mb must be >= 0, got {args.max_body_mb}")
     if args.request_timeout < 0:
         raise ValueError(f"--request-timeout must be >= 0, got {args.request_timeout}")
+    lora_root = None
+    if args.lora_root is not None:
+        if not args.enable_lora_updates:
+            raise FlagError(
+                "--lora-root confines runtime adapter loads: it needs --enable-lora-updates"
+            )
+        lora_root = os.path.realpath(args.lora_root)
     settings = ServerSettings(
         model_name=args.served_model_name or _model_name(model),
         api_keys=list(args.api_keys or []),
@@ -139,6 +153,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_body_bytes=int(args.max_body_mb * (1 << 20)),
         qos_enabled=engine_config.qos_config_path is not None,
         enable_lora_updates=args.enable_lora_updates,
+        lora_root=lora_root,
     )
     with model_load_errors(model, engine_config):
         engine = Engine.from_pretrained(model, engine_config)

@@ -22,3 +22,4 @@ class ServerSettings:
     qos_enabled: bool = False
     max_body_bytes: int = 4 << 20  # larger request bodies are answered 413; 0: no limit
     enable_lora_updates: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter
+    lora_root: str | None = None  # a resolved folder: runtime loads only from inside it
