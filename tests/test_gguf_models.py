@@ -1,9 +1,10 @@
 """Tiny random Llamas written as GGUF files by the test (Q4_0, Q4_1 and Q8_0 blocks, the
 llama.cpp converter's rotary row order, SmolLM2's tokenizer), loaded through the real loading
 code: computing on their blocks (quant_policy="gguf") gives the greedy tokens of the float32
-model transformers expands the same file to. Then llama.cpp's files of Gemma 3, Qwen3-MoE and
-gpt-oss (expanded bit for bit to the checkpoint they were written from, blocks where read),
-and the files nothing reads: other architectures, tensor types, a model left unfilled."""
+model transformers expands the same file to. Then llama.cpp's files of Gemma 3, Qwen3-MoE,
+gpt-oss and DeepSeek-V3 (deepseek2, in the forms llama.cpp's converter wrote over time),
+expanded bit for bit to the checkpoint they were written from, blocks where read; and the files
+nothing reads: other architectures, tensor types, a model left unfilled."""
 
 from __future__ import annotations
 
@@ -248,8 +249,37 @@ def test_gguf_blocks_with_speculative_decoding_and_prefix_caching(tmp_path, tiny
 
 # --- llama.cpp's files of other architectures ---------------------------------------------
 
-# GGUF architecture: (config class, model class, config overrides), shaped as llama.cpp's files
-# can state them
+DEEPSEEK_V3 = dict(
+    num_key_value_heads=4,  # the heads: llama.cpp's converter splits kv_b_proj per KV head
+    q_lora_rank=32,
+    kv_lora_rank=32,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    n_group=2,
+    topk_group=1,
+    n_shared_experts=1,
+    moe_intermediate_size=32,
+    first_k_dense_replace=1,
+    routed_scaling_factor=2.5,
+    norm_topk_prob=True,
+    tie_word_embeddings=False,
+    rope_parameters=dict(
+        rope_type="yarn",
+        rope_theta=10000.0,
+        factor=4.0,
+        original_max_position_embeddings=64,
+        beta_fast=32.0,
+        beta_slow=1.0,
+        mscale=1.0,
+        mscale_all_dim=1.0,
+    ),
+)
+
+# GGUF architecture (or a test case of FILE_FORMS): (config class, model class, config
+# overrides), shaped as llama.cpp's files can state them
 TINY_ARCHITECTURES = {
     # six layers: llama.cpp's Gemma 3 has five sliding-window layers, then a global one; a
     # local rotary base of its own, a soft cap, and the embedding tied to the head, as Gemma's
@@ -295,7 +325,39 @@ TINY_ARCHITECTURES = {
             tie_word_embeddings=False,
         ),
     ),
+    # DeepSeek-V3: MLA with q through its low-rank path, yarn rotary, one dense layer, then
+    # routed layers over 8 experts in 2 groups (best 1) plus a shared expert; written as
+    # llama.cpp's converter writes it now (attn_k_b and attn_v_b, no attn_kv_b)
+    "deepseek2": (
+        "DeepseekV3Config",
+        "DeepseekV3ForCausalLM",
+        {**DEEPSEEK_V3, "num_hidden_layers": 3},
+    ),
+    # the query one matrix (as DeepSeek-V2-Lite's), no groups, the head tied; written as the
+    # converter wrote it before llama.cpp's MLA (spring 2025): attn_kv_b only, per-head sizes
+    "deepseek2-kv_b": (
+        "DeepseekV3Config",
+        "DeepseekV3ForCausalLM",
+        {
+            **DEEPSEEK_V3,
+            "q_lora_rank": None,
+            "n_group": 1,
+            "topk_group": 1,
+            "norm_topk_prob": False,
+            "tie_word_embeddings": True,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+    ),
 }
+# test case -> (its GGUF architecture, the MLA tensors its file holds), where the two differ
+FILE_FORMS = {
+    "deepseek2": ("deepseek2", ("attn_k_b", "attn_v_b")),
+    "deepseek2-kv_b": ("deepseek2", ("attn_kv_b",)),
+}
+
+
+def gguf_arch(case: str) -> str:
+    return FILE_FORMS.get(case, (case, ()))[0]
 
 
 def save_tiny_arch(path, tokenizer_src: str, arch: str) -> str:
@@ -304,7 +366,7 @@ def save_tiny_arch(path, tokenizer_src: str, arch: str) -> str:
     import transformers
     from transformers import AutoTokenizer
 
-    config_cls, model_cls, overrides = TINY_ARCHITECTURES[arch]
+    config_cls, model_cls, overrides = TINY_ARCHITECTURES[arch]  # arch: a test case
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_src)
     params = dict(
         hidden_size=64,
@@ -331,23 +393,67 @@ def save_tiny_arch(path, tokenizer_src: str, arch: str) -> str:
                 # NOTE: llama.cpp stores Gemma's norms as 1 + w in float32; weights that survive
                 # the round trip keep the expansion bit for bit equal to the checkpoint
                 p.copy_((p + 1) - 1)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek's routing correction
+                b.add_(torch.randn_like(b) * 0.3)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return str(path)
 
 
-def write_arch_gguf(path, hf_folder: str, arch: str, qtype=None) -> str:
+def add_deepseek2_fields(writer: gguf.GGUFWriter, cfg, mla_tensors: tuple[str, ...]) -> None:
+    """DeepseekV2Model.set_gguf_parameters's keys. Files with attn_k_b (llama.cpp's MLA, since
+    spring 2025) give the latent as one MQA head and the per-head sizes in *_mla; those of
+    attn_k_b alone (the converter now) also the expert groups, which the converter writes since
+    autumn 2025. The scoring function is DeepSeek-V3's (its config.json says sigmoid)."""
+    writer.add_leading_dense_block_count(cfg.first_k_dense_replace)
+    writer.add_vocab_size(cfg.vocab_size)
+    if cfg.q_lora_rank is not None:
+        writer.add_q_lora_rank(cfg.q_lora_rank)
+    writer.add_kv_lora_rank(cfg.kv_lora_rank)
+    qk_head_dim = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    if "attn_k_b" in mla_tensors:
+        writer.add_key_length(cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+        writer.add_value_length(cfg.kv_lora_rank)
+        writer.add_key_length_mla(qk_head_dim)
+        writer.add_value_length_mla(cfg.v_head_dim)
+    else:
+        writer.add_key_length(qk_head_dim)
+        writer.add_value_length(cfg.v_head_dim)
+    if "attn_kv_b" not in mla_tensors:
+        writer.add_expert_group_count(cfg.n_group)
+        writer.add_expert_group_used_count(cfg.topk_group)
+    writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    writer.add_expert_count(cfg.n_routed_experts)
+    writer.add_expert_used_count(cfg.num_experts_per_tok)
+    writer.add_expert_shared_count(cfg.n_shared_experts)
+    writer.add_expert_weights_scale(cfg.routed_scaling_factor)
+    if cfg.norm_topk_prob:
+        writer.add_expert_weights_norm(True)
+    writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    writer.add_rope_dimension_count(cfg.qk_rope_head_dim)
+    if cfg.rope_parameters["rope_type"] == "yarn":
+        writer.add_rope_scaling_yarn_log_mul(0.1 * cfg.rope_parameters["mscale_all_dim"])
+
+
+def write_arch_gguf(path, hf_folder: str, arch: str, qtype=None, mla_tensors=None) -> str:
     """The checkpoint in `hf_folder` as llama.cpp's converter (convert_hf_to_gguf.py) writes a
-    file of `arch`: its metadata keys (TextModel.set_gguf_parameters and the architecture's
-    own), its tensor names (gguf's TensorNameMap), Gemma's norms as 1 + w, the experts of a
-    layer stacked [experts, out, in] (gpt-oss's gate and up apart, from transformers'
-    interleaved [experts, in, 2 * out]). Matrices in `qtype` (None: float32), except the
-    router's; norms, biases and sinks float32. SmolLM2's tokenizer."""
+    file of `arch` (or of the test case's architecture and form, FILE_FORMS): its metadata keys
+    (TextModel.set_gguf_parameters and the architecture's own), its tensor names (gguf's
+    TensorNameMap), Gemma's norms as 1 + w, the experts of a layer stacked [experts, out, in]
+    (gpt-oss's gate and up apart, from transformers' interleaved [experts, in, 2 * out]),
+    DeepSeek's kv_b_proj as `mla_tensors` (default: the case's) of attn_kv_b and its per-head
+    halves attn_k_b (transposed) and attn_v_b, its rows in the checkpoint's rotary order (no
+    permutation: llama.cpp's NORM rope is DeepSeek's interleaved one). Matrices in `qtype`
+    (None: float32), except the router's and those whose rows do not split into its blocks
+    (the converter's fallback); norms, biases and sinks float32. SmolLM2's tokenizer."""
     import re
 
     from safetensors.torch import load_file
     from transformers import AutoConfig
 
+    arch, form = FILE_FORMS.get(arch, (arch, ()))
+    mla_tensors = form if mla_tensors is None else mla_tensors
     cfg = AutoConfig.from_pretrained(hf_folder)
     state = load_file(f"{hf_folder}/model.safetensors")
     writer = gguf.GGUFWriter(str(path), arch)
@@ -356,7 +462,8 @@ def write_arch_gguf(path, hf_folder: str, arch: str, qtype=None) -> str:
     writer.add_embedding_length(cfg.hidden_size)
     writer.add_feed_forward_length(cfg.intermediate_size)
     writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
+    # MLA: the latent cache as one KV head
+    writer.add_head_count_kv(1 if "attn_k_b" in mla_tensors else cfg.num_key_value_heads)
     rope = cfg.rope_parameters
     writer.add_rope_freq_base(rope.get("full_attention", rope)["rope_theta"])
     if rope.get("rope_type") == "yarn":
@@ -368,8 +475,11 @@ def write_arch_gguf(path, hf_folder: str, arch: str, qtype=None) -> str:
     if "sliding_attention" in rope:
         writer.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_key_length(cfg.head_dim)
-    writer.add_value_length(cfg.head_dim)
+    if arch == "deepseek2":
+        add_deepseek2_fields(writer, cfg, mla_tensors)
+    else:
+        writer.add_key_length(cfg.head_dim)
+        writer.add_value_length(cfg.head_dim)
     if arch == "qwen3moe":
         writer.add_expert_count(cfg.num_experts)
         writer.add_expert_used_count(cfg.num_experts_per_tok)
@@ -389,7 +499,13 @@ def write_arch_gguf(path, hf_folder: str, arch: str, qtype=None) -> str:
 
     def add(name: str, weight: torch.Tensor) -> None:
         data = weight.float().contiguous().numpy()
-        if qtype is None or not name.endswith(".weight") or data.ndim < 2 or "gate_inp" in name:
+        if (
+            qtype is None
+            or not name.endswith(".weight")
+            or data.ndim < 2
+            or "gate_inp" in name
+            or data.shape[-1] % gguf.GGML_QUANT_SIZES[qtype][0]
+        ):
             writer.add_tensor(name, data)
         else:
             writer.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
@@ -418,6 +534,17 @@ def write_arch_gguf(path, hf_folder: str, arch: str, qtype=None) -> str:
             experts.setdefault((int(layer), part), {})[int(index)] = weight
             continue
         base, suffix = hf_name.rsplit(".", 1)
+        if hf_name.endswith("kv_b_proj.weight"):  # [heads * (nope + v), kv_lora]
+            blk = names.get_name(base).removesuffix("attn_kv_b")
+            per_head = weight.view(cfg.num_key_value_heads, -1, cfg.kv_lora_rank)
+            k_b, v_b = per_head.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=1)
+            parts = {"attn_kv_b": weight, "attn_k_b": k_b.transpose(1, 2), "attn_v_b": v_b}
+            for part in mla_tensors:
+                add(f"{blk}{part}.weight", parts[part])
+            continue
+        if suffix == "e_score_correction_bias":  # DeepSeek's routing bias, exp_probs_b.bias
+            add(f"{names.get_name(base + '.e_score_correction')}.bias", weight)
+            continue
         if arch == "gemma3" and hf_name.endswith("norm.weight"):
             weight = weight + 1  # Gemma3RMSNorm multiplies by 1 + w; llama.cpp's by w
         add(f"{names.get_name(base)}.{suffix}", weight)
@@ -433,6 +560,7 @@ def write_arch_gguf(path, hf_folder: str, arch: str, qtype=None) -> str:
 
 @pytest.fixture(scope="module", params=sorted(TINY_ARCHITECTURES))
 def tiny_arch(request, tmp_path_factory, smollm2_path) -> tuple[str, str]:
+    """(a test case of TINY_ARCHITECTURES, its checkpoint's folder)"""
     arch = request.param
     return arch, save_tiny_arch(tmp_path_factory.mktemp(f"tiny_{arch}"), smollm2_path, arch)
 
@@ -447,19 +575,22 @@ def test_a_llama_cpp_file_expands_to_the_checkpoint_it_was_written_from(tmp_path
     """Float32 tensors: transformers' expansion (with the settings lmengine puts back) holds the
     checkpoint's config and weights bit for bit, and the engine on it gives the checkpoint's
     greedy tokens, from threads, with chunked prompts and preemption."""
-    arch, hf_folder = tiny_arch
-    path = write_arch_gguf(tmp_path / f"tiny-{arch}-f32.gguf", hf_folder, arch)
+    case, hf_folder = tiny_arch
+    path = write_arch_gguf(tmp_path / f"tiny-{case}-f32.gguf", hf_folder, case)
     expanded = resolve_model_path(path)
     original, got_state = _state(hf_folder), _state(expanded)
     assert sorted(got_state) == sorted(original)
-    assert all(torch.equal(got_state[k], original[k]) for k in original), arch
+    assert all(torch.equal(got_state[k], original[k]) for k in original), case
     from transformers import AutoConfig
 
     want, have = AutoConfig.from_pretrained(hf_folder), AutoConfig.from_pretrained(expanded)
     for key in ["query_pre_attn_scalar", "layer_types", "rope_parameters", "sliding_window",
                 "final_logit_softcapping", "moe_intermediate_size", "num_experts_per_tok",
                 "norm_topk_prob", "head_dim", "tie_word_embeddings", "num_local_experts",
-                "intermediate_size"]:  # fmt: skip
+                "intermediate_size", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+                "qk_rope_head_dim", "v_head_dim", "n_routed_experts", "n_shared_experts",
+                "n_group", "topk_group", "routed_scaling_factor", "first_k_dense_replace",
+                "rope_interleave"]:  # fmt: skip
         assert getattr(have, key, None) == getattr(want, key, None), key
 
     prompts = random_prompts([1, 6, 19, 40, 23], 49152, seed=3)
@@ -481,8 +612,9 @@ def test_their_attention_and_mlp_linears_compute_on_the_files_blocks(tmp_path, t
     head's decode rows) on the file's blocks, the experts stay float32, and the greedy tokens
     are those of transformers' expansion of the file. gpt-oss's blocks are not read: refused
     under "gguf", its expansion by default."""
-    arch, hf_folder = tiny_arch
-    path = write_arch_gguf(tmp_path / f"tiny-{arch}-q8_0.gguf", hf_folder, arch, Q.Q8_0)
+    case, hf_folder = tiny_arch
+    arch = gguf_arch(case)
+    path = write_arch_gguf(tmp_path / f"tiny-{case}-q8_0.gguf", hf_folder, case, Q.Q8_0)
     prompts = random_prompts([1, 6, 19, 40, 23], 49152, seed=4)
     expected = hf_greedy(resolve_model_path(path), prompts, 12)
     cfg = EngineConfig(quant_policy="gguf", block_size=4, num_gpu_blocks=64)
@@ -501,6 +633,29 @@ def test_their_attention_and_mlp_linears_compute_on_the_files_blocks(tmp_path, t
     assert [r.token_ids for r in got] == expected
 
 
+def test_a_deepseek2_file_with_kv_b_and_its_halves_expands_to_the_checkpoint(
+    tmp_path, smollm2_path
+):
+    """The form llama.cpp's converter wrote in mid-2025: attn_kv_b kept beside attn_k_b and
+    attn_v_b (the cases "deepseek2" and "deepseek2-kv_b" above hold the halves alone and
+    attn_kv_b alone); kv_b_proj comes back bit for bit."""
+    hf_folder = save_tiny_arch(tmp_path / "hf", smollm2_path, "deepseek2")
+    mla_tensors = ("attn_kv_b", "attn_k_b", "attn_v_b")
+    path = write_arch_gguf(tmp_path / "tiny.gguf", hf_folder, "deepseek2", mla_tensors=mla_tensors)
+    original, got_state = _state(hf_folder), _state(resolve_model_path(path))
+    assert sorted(got_state) == sorted(original)
+    assert all(torch.equal(got_state[k], original[k]) for k in original)
+
+
+def test_a_deepseek2_file_of_softmax_routing_is_refused_naming_it(tmp_path):
+    """DeepSeek-V2's files (no gating key: llama.cpp's softmax) route their experts in a way
+    DeepseekV3's router does not."""
+    tensors = {"token_embd.weight": (np.zeros((8, 64), dtype=np.float32), None)}
+    path = _write_minimal_gguf(tmp_path / "deepseek-v2.gguf", "deepseek2", tensors)
+    with pytest.raises(ValueError, match="routes its experts by softmax"):
+        Engine.from_pretrained(path, EngineConfig(num_gpu_blocks=16))
+
+
 def _write_minimal_gguf(path, arch: str, tensors: dict) -> str:
     """A file with the architecture `arch`, SmolLM2's tokenizer and `tensors` (name: (array,
     raw GGML type or None))."""
@@ -516,7 +671,7 @@ def _write_minimal_gguf(path, arch: str, tensors: dict) -> str:
     return str(path)
 
 
-@pytest.mark.parametrize("arch", ["deepseek2", "olmo2", "smollm3", "granite", "glm4"])
+@pytest.mark.parametrize("arch", ["dots1", "olmo2", "smollm3", "granite", "glm4"])
 def test_a_file_of_an_architecture_nothing_reads_is_refused_naming_it(tmp_path, arch):
     """Refused before transformers is asked (whatever quant_policy: the file is expanded
     first), naming the architecture and those that load."""

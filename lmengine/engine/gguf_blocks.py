@@ -70,6 +70,15 @@ def gguf_field(reader, key: str):
     return value.tobytes().decode() if value.dtype == np.uint8 else value.item()
 
 
+def read_gguf_tensor(tensor) -> torch.Tensor:
+    """A GGUF tensor (of a `gguf.GGUFReader`) dequantized to float32, in transformers'
+    dimension order (GGUF lists the fastest dimension first)."""
+    import gguf
+
+    data = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    return torch.from_numpy(data.reshape(tuple(reversed(tensor.shape.tolist()))).copy())
+
+
 def _unpermute_rows(blocks: torch.Tensor, num_heads: int) -> torch.Tensor:
     """Undo the converter's rotary reordering of a query / key projection's rows."""
     rows = blocks.shape[0]

@@ -1,11 +1,12 @@
 """A GGUF file expanded once into a float32 safetensors folder.
 
-A GGUF file is expanded by transformers' GGUF loading (`convert_gguf`; gpt-oss files, which
-transformers 5.23 does not read, by lmengine), after `check_gguf_file` has refused, naming the
-reason, the files that cannot be expanded: an architecture neither reads, a tensor type the
-gguf package cannot dequantize. Settings that llama.cpp's files leave out (it fixes them in
-code) and transformers does not read are put back per architecture (`GGUF_CONFIG_FIXES`), and
-a file whose tensors do not fill the whole model is refused.
+A GGUF file is expanded by transformers' GGUF loading (`convert_gguf`; gpt-oss and deepseek2
+files, which transformers 5.23 does not read, by lmengine: deepseek2's in gguf_deepseek2.py),
+after `check_gguf_file` has refused, naming the reason, the files that cannot be expanded: an
+architecture neither reads, a tensor type the gguf package cannot dequantize. Settings that
+llama.cpp's files leave out (it fixes them in code) and transformers does not read are put back
+per architecture (`GGUF_CONFIG_FIXES`), and a file whose tensors do not fill the whole model is
+refused.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ logger = logging.getLogger("lmengine")
 # GGUF architectures (llama.cpp's names) whose files lmengine loads and has checked token for
 # token against the checkpoint they were written from (tests/test_gguf_models.py); other
 # architectures that transformers reads are tried
-TESTED_GGUF_ARCHITECTURES = ("llama", "gemma3", "qwen3moe", "gpt-oss")
+TESTED_GGUF_ARCHITECTURES = ("llama", "gemma3", "qwen3moe", "gpt-oss", "deepseek2")
 # llama.cpp's name -> the one transformers' GGUF tables use, where the two differ
 _TRANSFORMERS_GGUF_NAMES = {
     "qwen2moe": "qwen2_moe",
@@ -36,7 +37,7 @@ _TRANSFORMERS_GGUF_NAMES = {
 
 def transformers_gguf_architectures() -> list[str] | None:
     """The GGUF architectures (llama.cpp's names) whose files load: those the installed
-    transformers expands, and gpt-oss; None where transformers' tables are not where this
+    transformers expands, gpt-oss and deepseek2; None where transformers' tables are not where this
     version of lmengine looks for them."""
     import gguf
 
@@ -48,7 +49,8 @@ def transformers_gguf_architectures() -> list[str] | None:
     llama_cpp_names = set(gguf.MODEL_ARCH_NAMES.values())
     theirs = {v: k for k, v in _TRANSFORMERS_GGUF_NAMES.items()}
     names = {theirs.get(a, a) for a in [*GGUF_SUPPORTED_ARCHITECTURES, *GGUF_CONFIG_ARCHS]}
-    return sorted((names | {"gpt-oss"}) & llama_cpp_names)  # gpt-oss: lmengine's own reading
+    own = {"gpt-oss", "deepseek2"}  # lmengine's own reading
+    return sorted((names | own) & llama_cpp_names)
 
 
 def check_gguf_file(gguf_path: str | Path):
@@ -69,9 +71,9 @@ def check_gguf_file(gguf_path: str | Path):
         raise ValueError(
             f"{gguf_path}: GGUF architecture {arch!r} cannot be loaded: GGUF files of the "
             f"architectures {', '.join(readable)} load (through transformers "
-            f"{transformers.__version__}'s GGUF support; gpt-oss through lmengine's; tested: "
-            f"{', '.join(TESTED_GGUF_ARCHITECTURES)}). Load the model's safetensors checkpoint "
-            "(a folder or a hub id) instead"
+            f"{transformers.__version__}'s GGUF support; gpt-oss and deepseek2 through "
+            f"lmengine's; tested: {', '.join(TESTED_GGUF_ARCHITECTURES)}). Load the model's "
+            "safetensors checkpoint (a folder or a hub id) instead"
         )
     seen = set()
     for tensor in reader.tensors:
@@ -179,14 +181,6 @@ def _gpt_oss_config(reader):
     )
 
 
-def _read_tensor(tensor) -> torch.Tensor:
-    """A GGUF tensor dequantized to float32, in transformers' dimension order."""
-    import gguf
-
-    data = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-    return torch.from_numpy(data.reshape(tuple(reversed(tensor.shape.tolist()))).copy())
-
-
 def _gpt_oss_tensors(model, reader) -> set[str]:
     """Load llama.cpp's gpt-oss tensors into `model`: those with standard names through the
     tensor names transformers maps, then each layer's attention sinks and experts, which
@@ -195,14 +189,16 @@ def _gpt_oss_tensors(model, reader) -> set[str]:
     weights filled."""
     from transformers.modeling_gguf_pytorch_utils import TensorProcessor, get_gguf_hf_weights_map
 
+    from lmengine.engine.gguf_blocks import read_gguf_tensor
+
     tensors = {t.name: t for t in reader.tensors}
     values = {}
     for gguf_name, hf_name in get_gguf_hf_weights_map(model, TensorProcessor()).items():
         if gguf_name in tensors:
-            values[hf_name] = _read_tensor(tensors[gguf_name])
+            values[hf_name] = read_gguf_tensor(tensors[gguf_name])
 
     def read(name: str) -> torch.Tensor:
-        return _read_tensor(tensors[name])
+        return read_gguf_tensor(tensors[name])
 
     def interleave(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return torch.stack([gate, up], dim=-1).flatten(-2)  # g0 u0 g1 u1 ... on the last dim
@@ -270,10 +266,15 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
     arch = gguf_field(reader, "general.architecture")
     logger.info("converting %s to safetensors in %s (once)", gguf_path, out_dir)
     folder, name = str(gguf_path.parent), gguf_path.name
-    if arch == "gpt-oss":
+    if arch in ("gpt-oss", "deepseek2"):
+        from lmengine.engine.gguf_deepseek2 import load_deepseek2
+
+        if arch == "gpt-oss":
+            model, unfilled = _load_gpt_oss(reader)
+        else:
+            model, unfilled = load_deepseek2(reader, gguf_path)
         # NOTE: AutoTokenizer would read the config through transformers' GGUF loader first
         tokenizer = PreTrainedTokenizerFast.from_pretrained(folder, gguf_file=name)
-        model, unfilled = _load_gpt_oss(reader)
     else:
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
         config = AutoConfig.from_pretrained(folder, gguf_file=name)
