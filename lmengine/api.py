@@ -4,6 +4,7 @@ A prompt is a string, a list of chat messages (`[{"role": ..., "content": ...}]`
 token ids. Strings and messages go through the tokenizer's chat template when it has one (as
 lmdeploy does); pass `apply_chat_template=False` to send strings raw. `Pipeline.score` scores
 texts or (context, continuation) pairs instead: log-likelihoods from the prompt's logprobs.
+`Pipeline.embed` embeds texts: the final norm's output pooled over each text (no template).
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import math
 import queue
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+
+import torch
 
 from lmengine.config import EngineConfig, GenerationConfig
 from lmengine.engine.engine import Engine
@@ -267,6 +270,48 @@ class Pipeline:
             entries = r.prompt_logprobs[start:]
             s.logprobs = [e[t] for t, e in zip(s.token_ids, entries)]
             s.is_greedy = all(e[t] >= max(e.values()) for t, e in zip(s.token_ids, entries))
+
+    # ---- embeddings ---------------------------------------------------------------------------
+    def embed(
+        self,
+        texts: str | list[int] | Sequence[str | list[int]],
+        pooling: str = "last",
+        normalize: bool = True,
+        adapter_name: str | None = None,
+    ) -> list[torch.Tensor]:
+        """One embedding per text (or token-id list), in order: the final norm's output at
+        the last token ("last", vLLM's default for a causal LM) or its mean over the tokens
+        ("mean"), L2-normalized unless `normalize=False`, float32 [hidden] on the CPU. Texts
+        are tokenized as they are (special tokens as the tokenizer adds them, no chat
+        template) and run as prompt-only requests batched like any others; with prefix
+        caching "last" reuses cached prefixes. Raises ValueError naming the first text that
+        fails."""
+        single = isinstance(texts, str) or (
+            isinstance(texts, list) and bool(texts) and all(isinstance(t, int) for t in texts)
+        )
+        batch = [texts] if single else list(texts)
+        cfg = GenerationConfig(max_new_tokens=0, pooling=pooling)
+        responses = new_queue()
+        errors: dict[int, str] = {}
+        for i, text in enumerate(batch):
+            if isinstance(text, str):
+                ids = list(self.tokenizer(text)["input_ids"])
+            elif isinstance(text, list) and all(isinstance(t, int) for t in text):
+                ids = list(text)
+            else:
+                raise ValueError(f"text {i}: a text or a list of token ids, got {text!r:.80}")
+            self._add(ids, cfg, responses, i, adapter_name)
+        out: list[torch.Tensor | None] = [None] * len(batch)
+        for r in _responses(responses, len(batch)):
+            if r.finish_reason == "error":
+                errors[r.index] = r.error or "failed"
+            elif r.finish_reason is not None:
+                v = r.embedding
+                out[r.index] = torch.nn.functional.normalize(v, dim=-1) if normalize else v
+        if errors:
+            first = min(errors)
+            raise ValueError(f"text {first} cannot be embedded: {errors[first]}")
+        return [v for v in out if v is not None]
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def close(self) -> None:

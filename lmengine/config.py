@@ -11,8 +11,11 @@ from dataclasses import dataclass
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 # GenerationConfig fields that hold Python objects (tensors, callables, schemas): no flag
 PYTHON_ONLY_FIELDS = frozenset(
-    {"output_hidden_states", "steering", "logits_processors", "structured_outputs"}
+    {"output_hidden_states", "steering", "logits_processors", "structured_outputs", "pooling"}
 )
+# GenerationConfig.pooling: the prompt's embedding from the final norm's output at its last
+# token, or the mean over its tokens
+POOLING_TYPES = ("last", "mean")
 # GenerationConfig.structured_outputs: exactly one of these keys (vLLM's StructuredOutputsParams)
 STRUCTURED_OUTPUT_KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 DEVICES = ("auto", "cuda", "cpu")
@@ -223,7 +226,9 @@ class GenerationConfig:
     layer i, as transformers' `output_hidden_states`; "all" for every one); `steering` adds
     a vector to chosen layers' outputs for this request's rows only; `logits_processors`
     are callables `(token_ids, logits_row) -> logits_row` run before sampling.
-    `max_new_tokens=0` runs the prompt only (scoring, reading activations).
+    `max_new_tokens=0` runs the prompt only (scoring, reading activations); with `pooling`
+    ("last" or "mean") it also pools the final norm's output over the prompt into
+    `Response.embedding` (not normalized: `Pipeline.embed` and the server normalize).
     """
 
     max_new_tokens: int = 512
@@ -255,6 +260,7 @@ class GenerationConfig:
     # layer index (>= 1) -> a [hidden_size] tensor, or a SteeringVector (scale, start position)
     steering: dict | None = None
     logits_processors: list | None = None  # callables (token_ids, logits_row) -> logits_row
+    pooling: str | None = None  # "last" or "mean": Response.embedding (needs max_new_tokens=0)
     # constrained generation (docs/structured_outputs.md): exactly one of "json" (a JSON
     # schema, dict or string), "json_object" (True), "regex", "choice" (strings), "grammar"
     # (EBNF), "structural_tag" (xgrammar's structural tag: free text with constrained tags)
@@ -367,6 +373,17 @@ class GenerationConfig:
                 _check_int("steering layer", layer, 1)
                 if not isinstance(vector, SteeringVector):
                     self.steering[layer] = SteeringVector(vector)
+        if self.pooling is not None:
+            if self.pooling not in POOLING_TYPES:
+                raise ValueError(
+                    f"pooling must be one of {', '.join(POOLING_TYPES)} or None, got "
+                    f"{self.pooling!r}"
+                )
+            if self.max_new_tokens != 0:
+                raise ValueError(
+                    f"pooling={self.pooling!r} embeds the prompt: max_new_tokens must be 0, got "
+                    f"{self.max_new_tokens}"
+                )
         if self.logits_processors is not None:
             if callable(self.logits_processors):
                 self.logits_processors = [self.logits_processors]

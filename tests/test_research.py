@@ -389,3 +389,78 @@ def test_encode_pair_splits_as_lm_eval(smollm2_path, context, continuation):
     pipe = Pipeline.__new__(Pipeline)
     pipe.tokenizer = tok
     assert pipe.encode_pair(context, continuation) == (list(want[0]), list(want[1]))
+
+
+def _hf_embedding(path: str, ids: list[int], pooling: str) -> torch.Tensor:
+    """transformers' final hidden state (after the final norm) pooled, L2-normalized."""
+    last = hf_forward(path, ids)[1][-1]  # [len, hidden]
+    pooled = last[-1] if pooling == "last" else last.mean(0)
+    return torch.nn.functional.normalize(pooled.float(), dim=-1)
+
+
+def test_embeddings_equal_transformers_beside_generation(tiny_llama_path):
+    """Pipeline.embed: the final norm's output at the last token (or its mean), normalized,
+    equal to transformers', for texts and token ids run in chunks while generation requests
+    share the batches; "last" takes cached prefixes the second time, "mean" runs every
+    position; the same input gives the same vector."""
+    import threading
+
+    from lmengine import Pipeline
+
+    path = tiny_llama_path
+    shared = random_prompts([12], 49152, seed=21)[0]
+    prompts = [shared + p for p in random_prompts([3, 9, 17, 30, 1], 49152, seed=22)]
+    generating = random_prompts([14, 6, 25], 49152, seed=23)
+    expected_tokens = hf_greedy(path, generating, 10, ignore_eos=True)
+    cfg = EngineConfig(
+        block_size=4, num_gpu_blocks=1024, max_prefill_token_num=7, enable_prefix_caching=True
+    )
+    with Pipeline(Engine.from_pretrained(path, cfg)) as pipe:
+        texts = ["The capital of France is", "  spaces, then\nlines"]
+        generated: list = []
+        worker = threading.Thread(
+            target=lambda: generated.extend(
+                pipe(generating, GenerationConfig(max_new_tokens=10, ignore_eos=True))
+            )
+        )
+        worker.start()
+        first = pipe.embed(prompts + texts)
+        worker.join()
+        cached_before = pipe.engine.stats()["num_prefix_cached_tokens"]
+        again = pipe.embed(prompts)
+        cached_last = pipe.engine.stats()["num_prefix_cached_tokens"]
+        mean = pipe.embed(prompts, pooling="mean")
+        cached_mean = pipe.engine.stats()["num_prefix_cached_tokens"]
+        raw = pipe.embed(prompts[0], normalize=False)
+        text_ids = [list(pipe.tokenizer(t)["input_ids"]) for t in texts]
+        with pytest.raises(ValueError, match="text 1 cannot be embedded"):
+            pipe.embed([prompts[0], []])
+        pipe.engine.check_integrity()
+        stats = pipe.engine.stats()
+    assert [r.token_ids for r in generated] == expected_tokens
+    for ids, got in zip(prompts + text_ids, first):
+        assert got.dtype == torch.float32 and got.shape == (64,)
+        torch.testing.assert_close(got, _hf_embedding(path, ids, "last"), rtol=1e-4, atol=1e-4)
+    for ids, got in zip(prompts, mean):
+        torch.testing.assert_close(got, _hf_embedding(path, ids, "mean"), rtol=1e-4, atol=1e-4)
+    assert cached_last > cached_before  # "last" read the shared prefixes from the cache
+    assert cached_mean == cached_last  # "mean" ran every position
+    for a, b in zip(first, again):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert len(raw) == 1 and abs(float(raw[0].norm()) - 1.0) > 1e-3  # not normalized
+    torch.testing.assert_close(
+        torch.nn.functional.normalize(raw[0], dim=-1), first[0], rtol=1e-5, atol=1e-5
+    )
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(max_new_tokens=0, pooling="max"), "pooling must be one of last, mean or None"),
+        (dict(max_new_tokens=4, pooling="last"), "max_new_tokens must be 0, got 4"),
+    ],
+)
+def test_bad_pooling_is_a_clear_error(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        GenerationConfig(**kwargs)

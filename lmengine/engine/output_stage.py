@@ -36,6 +36,7 @@ class OutputState:
     num_accepted_tokens: int = 0
     prompt_logprobs: list[dict[int, float] | None] | None = None  # when asked: filled in prefill
     hidden: HiddenStates | None = None  # when asked
+    pooled: HiddenStates | None = None  # GenerationConfig.pooling: the final norm's rows
 
     def record_research(self, item, output: ModelOutput) -> None:
         """Keep what the step computed for the request's research asks: prompt logprobs (once
@@ -48,8 +49,10 @@ class OutputState:
             have = len(self.prompt_logprobs)
             self.prompt_logprobs.extend(entries[have - first :] if have >= first else ())
         rows = output.hidden_states.get(seq_id)
-        if rows is not None and self.hidden is not None:
-            self.hidden.write(item.start_pos, rows)
+        if rows is not None:
+            for kept in (self.hidden, self.pooled):
+                if kept is not None:
+                    kept.write(item.start_pos, rows)
 
     def text_delta(self, stop_words: list[str] | None, finished: bool) -> str | None:
         """The text to send now, and mark it sent. While running, a tail that may start a
@@ -75,6 +78,10 @@ def _response(
         hidden = state.hidden.view(
             min(state.hidden.num_valid, total - 1 if num_generated else total)
         )
+    embedding = None
+    pooling = record.request.gen_config.pooling
+    if state.pooled is not None and finish_reason not in (None, "error") and pooling:
+        embedding = state.pooled.pool(pooling, seq.num_prompt_tokens)
     state.num_sent_tokens = num_generated
     logprobs = state.new_logprobs
     if logprobs is not None:
@@ -90,6 +97,7 @@ def _response(
         num_accepted_tokens=state.num_accepted_tokens,
         prompt_logprobs=state.prompt_logprobs,
         hidden_states=hidden,
+        embedding=embedding,
         metrics=record.request.metrics,
     )
 
@@ -133,6 +141,8 @@ class OutputProcessor:
                 first = min(max(1, spec.prompt_logprobs_start), seq.num_prompt_tokens)
                 state.prompt_logprobs = [None] * first
             state.hidden = HiddenStates(spec.hidden_layers) if spec.hidden_layers else None
+            if spec.pooling is not None:
+                state.pooled = HiddenStates((spec.pool_layer,))
         return state
 
     def process(

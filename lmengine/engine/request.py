@@ -86,6 +86,9 @@ class Response:
     # per asked layer the hidden states [num_positions, hidden] of the positions run so far
     prompt_logprobs: list[dict[int, float] | None] | None = None
     hidden_states: dict[int, Any] | None = None  # layer -> torch.Tensor, on the CPU
+    # GenerationConfig.pooling: the final norm's output pooled over the prompt [hidden],
+    # float32 on the CPU, in the request's final Response
+    embedding: Any = None
     metrics: RequestMetrics | None = None  # the request's wait for its first token
 
     @property

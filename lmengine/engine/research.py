@@ -31,14 +31,27 @@ class ResearchSpec:
     prompt_logprobs_start: int = 0  # first prompt token scored
     hidden_layers: tuple[int, ...] = ()  # indices as transformers' output_hidden_states
     steering: tuple[tuple[int, torch.Tensor, int], ...] = ()  # (layer, scaled [hidden], start)
+    pooling: str | None = None  # GenerationConfig.pooling
+    pool_layer: int = 0  # the final norm's index (num_layers): the rows pooled
+
+    def step_layers(self, start: int, end: int, num_prompt_tokens: int) -> tuple[int, ...]:
+        """The layers whose rows a step running positions [start, end) records: the asked
+        ones, and for pooling the final norm's (every chunk for "mean", the chunk holding the
+        last prompt token for "last")."""
+        if self.pooling is None or self.pool_layer in self.hidden_layers:
+            return self.hidden_layers
+        if self.pooling == "mean" or start < num_prompt_tokens <= end:
+            return (*self.hidden_layers, self.pool_layer)
+        return self.hidden_layers
 
     @property
     def max_cached_tokens(self) -> int | None:
         """Leading tokens the request may take from the prefix cache (None: any): none when
-        it reads hidden states (every position must run), fewer than the first scored token
+        it reads hidden states or pools over every position (every position must run; the last
+        token, which "last" pooling reads, always runs), fewer than the first scored token
         (the position before it gives its logprob), and those before its first steered
         position (a cached block was computed without the vector)."""
-        if self.hidden_layers:
+        if self.hidden_layers or self.pooling == "mean":
             return 0
         limits = [start for _, _, start in self.steering]
         if self.prompt_logprobs is not None:
@@ -51,7 +64,8 @@ class ResearchSpec:
     ) -> ResearchSpec | None:
         """The spec of a request, None when it asks for nothing; RequestError when an ask
         does not fit the model."""
-        if cfg.prompt_logprobs is None and cfg.output_hidden_states is None and not cfg.steering:
+        asks = (cfg.prompt_logprobs, cfg.output_hidden_states, cfg.steering, cfg.pooling)
+        if all(a is None for a in asks) and not cfg.steering:
             return None
         layers: tuple[int, ...] = ()
         if cfg.output_hidden_states == "all":
@@ -73,7 +87,7 @@ class ResearchSpec:
                 )
             steering.append((layer, _steering_vector(layer, sv, hidden_size), sv.start))
         start = cfg.prompt_logprobs_start
-        return cls(cfg.prompt_logprobs, start, layers, tuple(steering))
+        return cls(cfg.prompt_logprobs, start, layers, tuple(steering), cfg.pooling, num_layers)
 
 
 def _steering_vector(layer: int, sv, hidden_size: int) -> torch.Tensor:
@@ -165,6 +179,8 @@ class HiddenStates:
 
     def write(self, start_pos: int, rows: dict[int, torch.Tensor]) -> None:
         for layer, part in rows.items():  # part: [n, hidden]
+            if layer not in self.layers:  # recorded for another ask (pooling)
+                continue
             end = start_pos + part.shape[0]
             buf = self.buffers.get(layer)
             if buf is None or buf.shape[0] < end:
@@ -174,6 +190,13 @@ class HiddenStates:
                     grown[: buf.shape[0]] = buf
                 buf = self.buffers[layer] = grown
             buf[start_pos:end] = part
+
+    def pool(self, pooling: str, num_positions: int) -> torch.Tensor:
+        """The only layer's rows of positions 0..num_positions-1 pooled ("last": the last
+        row; "mean": their mean), [hidden] float32."""
+        (layer,) = self.layers
+        rows = self.buffers[layer][:num_positions]
+        return (rows[-1] if pooling == "last" else rows.float().mean(0)).float().clone()
 
     def view(self, num_positions: int) -> dict[int, torch.Tensor]:
         """Per layer the rows of positions 0..num_positions-1 (views of the buffers)."""

@@ -110,7 +110,8 @@ class StepInput:
                     if hi > lo:
                         seq_input.num_prompt_logits = hi - lo
                         seq_input.prompt_logits_offset = lo - start
-                seq_input.hidden_layers = spec.hidden_layers
+                end = start + item.num_new_tokens
+                seq_input.hidden_layers = spec.step_layers(start, end, seq.num_prompt_tokens)
                 seq_input.steering = spec.steering
             seqs.append(seq_input)
         return cls(
