@@ -1,4 +1,5 @@
-"""The OpenAI router: GET /v1/models, POST /v1/completions, POST /v1/chat/completions."""
+"""The OpenAI router: GET /v1/models, POST /v1/completions, POST /v1/chat/completions,
+POST /v1/embeddings."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from lmengine.serve.auth import api_key_check
 from lmengine.serve.chat import create_chat_completion
 from lmengine.serve.client import ServerContext
 from lmengine.serve.completions import create_completion
+from lmengine.serve.embeddings import create_embedding, embedding_request
 from lmengine.serve.errors import GENERATION_RESPONSES, error_responses
 from lmengine.serve.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -42,5 +44,14 @@ def openai_router(client: ServerContext) -> APIRouter:
     @router.post("/v1/chat/completions", responses=GENERATION_RESPONSES)
     async def v1_chat_completions(body: ChatCompletionRequest, request: Request):
         return await create_chat_completion(client, body, request, "chat_completions")
+
+    async def v1_embeddings(body, request: Request):
+        return await create_embedding(client, body, request, "embeddings")
+
+    # NOTE: the body's model is built for the served model's width (`dimensions`)
+    v1_embeddings.__annotations__["body"] = embedding_request(client.engine.info.hidden_size)
+    router.post(
+        "/v1/embeddings", responses=error_responses(400, 401, 404, 413, 429, 499, 500, 503, 504)
+    )(v1_embeddings)
 
     return router

@@ -90,6 +90,13 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
         "(symlinks followed); others are answered 403",
     )
     g.add_argument(
+        "--embedding-pooling",
+        choices=("last", "mean"),
+        default="last",
+        help="/v1/embeddings: the final norm's output at the last token (vLLM's default for "
+        "a causal LM) or its mean over the input, L2-normalized (default: last)",
+    )
+    g.add_argument(
         "--no-auto-tool-constraint",
         dest="auto_tool_constraint",
         action="store_false",
@@ -154,6 +161,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         qos_enabled=engine_config.qos_config_path is not None,
         enable_lora_updates=args.enable_lora_updates,
         lora_root=lora_root,
+        embedding_pooling=args.embedding_pooling,
     )
     with model_load_errors(model, engine_config):
         engine = Engine.from_pretrained(model, engine_config)

@@ -23,3 +23,4 @@ class ServerSettings:
     max_body_bytes: int = 4 << 20  # larger request bodies are answered 413; 0: no limit
     enable_lora_updates: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter
     lora_root: str | None = None  # a resolved folder: runtime loads only from inside it
+    embedding_pooling: str = "last"  # /v1/embeddings: "last" token or "mean" over the input
