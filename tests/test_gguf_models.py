@@ -28,8 +28,9 @@ from tests.test_lora import ADAPTERS, peft_greedy, save_adapter
 Q = gguf.GGMLQuantizationType
 
 LAYOUTS = {  # block type of each linear, and of the token embedding (tied to the LM head)
-    "q4_0": dict.fromkeys([*LAYER_TENSORS, "token_embd"], Q.Q4_0),
-    "q4_1": dict.fromkeys([*LAYER_TENSORS, "token_embd"], Q.Q4_1),
+    # Q4_0 linears and a Q4_1 embedding (tied LM head); the other layouts hold Q4_1 linears
+    # and a Q4_0 head
+    "q4": {**dict.fromkeys(LAYER_TENSORS, Q.Q4_0), "token_embd": Q.Q4_1},
     "mixed": {  # the parts of the merged linears (qkv, gate_up) in different types too
         "attn_q": Q.Q4_0,
         "attn_k": Q.Q4_1,
@@ -199,7 +200,7 @@ def test_a_gguf_file_computes_on_its_blocks_by_default(tmp_path, tiny_hf, monkey
     """No quant_policy: a GGUF file's blocks on the CPU in float32; its float32 expansion with
     quant_policy="float", in another dtype, from the converted checkpoint folder, or where the
     blocks cannot be read (another architecture)."""
-    path = write_llama_gguf(tmp_path / "tiny-q4_1.gguf", tiny_hf, LAYOUTS["q4_1"])
+    path = write_llama_gguf(tmp_path / "tiny-q4.gguf", tiny_hf, LAYOUTS["q4"])
     cases = [
         (path, {}, 2 * 4),
         (path, {"quant_policy": "float"}, 0),
