@@ -47,6 +47,14 @@ setup(
             "schemathesis>=4.0,<5",
             "lm-eval[api]==0.4.13",
             "smg==1.13.0",
+            # the clients of the Responses, Messages and chat doors, as applications use them
+            # (tests/test_server_clients.py; tested: anthropic 2.14, openai-agents 0.24,
+            # langchain-openai 1.7, pydantic-ai-slim 2.68, instructor 1.17)
+            "anthropic>=2.0,<3",
+            "openai-agents>=0.20,<1",
+            "langchain-openai>=1.0,<2",
+            "pydantic-ai-slim[openai]>=2.0,<3",
+            "instructor>=1.10,<2",
         ],
         "bench": ["matplotlib>=3.7,<4"],  # benchmarks/policies.py plots
     },

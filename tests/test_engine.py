@@ -111,6 +111,8 @@ def test_stop_token_ids_and_max_new_tokens(engine):
     first = free.token_ids.index(stop_at)
     r = inst.infer(400, p, gen_config=GenerationConfig(max_new_tokens=12, stop_token_ids=[stop_at]))
     assert r.finish_reason == "stop" and r.token_ids == free.token_ids[: first + 1]
+    assert r.stop_reason == stop_at  # vLLM's stop_reason: the id that ended it
+    assert free.stop_reason is None  # a length is no stop
     r = inst.infer(
         400,
         p,
@@ -131,6 +133,7 @@ def test_stop_words_cut_the_text(engine):
     )
     final = responses[-1]
     assert final.finish_reason == "stop" and final.text == free.text[:cut]
+    assert final.stop_reason == word
     # streamed text never shows any part of the stop word it will cut
     for r in responses:
         assert final.text.startswith(r.text)

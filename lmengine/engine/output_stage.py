@@ -37,6 +37,7 @@ class OutputState:
     prompt_logprobs: list[dict[int, float] | None] | None = None  # when asked: filled in prefill
     hidden: HiddenStates | None = None  # when asked
     pooled: HiddenStates | None = None  # GenerationConfig.pooling: the final norm's rows
+    stop_reason: str | int | None = None  # the stop word or stop token id that ended it
 
     def record_research(self, item, output: ModelOutput) -> None:
         """Keep what the step computed for the request's research asks: prompt logprobs (once
@@ -98,6 +99,7 @@ def _response(
         prompt_logprobs=state.prompt_logprobs,
         hidden_states=hidden,
         embedding=embedding,
+        stop_reason=state.stop_reason if finish_reason == "stop" else None,
         metrics=record.request.metrics,
     )
 
@@ -220,12 +222,14 @@ class OutputProcessor:
             if not cfg.ignore_eos and token_id in self.eos_token_ids:
                 return "stop"
             if cfg.stop_token_ids and token_id in cfg.stop_token_ids:
+                state.stop_reason = token_id
                 return "stop"
             if cfg.stop_words and state.text is not None:
                 for word in cfg.stop_words:
                     at = state.text.find(word, max(0, scan_from - len(word) + 1))
                     if at >= 0:
                         state.text = state.text[:at]
+                        state.stop_reason = word
                         return "stop"
         if seq.num_tokens + pending + 1 >= seq.max_num_tokens:
             return "length"

@@ -89,6 +89,9 @@ class Response:
     # GenerationConfig.pooling: the final norm's output pooled over the prompt [hidden],
     # float32 on the CPU, in the request's final Response
     embedding: Any = None
+    # vLLM's stop_reason: the stop word or stop token id that ended the request (finish
+    # reason "stop"); None when it ended at an end-of-sequence token, a length or an error
+    stop_reason: str | int | None = None
     metrics: RequestMetrics | None = None  # the request's wait for its first token
 
     @property

@@ -32,6 +32,24 @@ async def create_chat_completion(
     client: ServerContext, body: ChatCompletionRequest, request: Request, endpoint: str
 ) -> dict | StreamingResponse:
     """Apply the template, submit one engine request per choice, and answer."""
+    job, tool_mode = await submit_chat(client, body, request, endpoint)
+    num_top = body.top_logprobs or 0
+    return await run_job(
+        job,
+        request,
+        body.stream,
+        lambda: _whole(client, job, body, num_top, tool_mode),
+        lambda: _stream(client, job, body, num_top, tool_mode),
+    )
+
+
+async def submit_chat(
+    client: ServerContext, body: ChatCompletionRequest, request: Request, endpoint: str
+) -> tuple[Job, tuple[str, str | None]]:
+    """The chat request `body` through the template (tools in it or in a system message),
+    submitted as a Job of one engine request per choice; with its tool mode (mode, function
+    name), which `ToolOutput` reads the answer by. Every door that speaks chat (Responses,
+    Anthropic's Messages) comes through here."""
     adapter = client.adapter_for(body.model)
     mode, name = tool_choice_mode(body)
     native = template_takes_tools(client.tokenizer, client.settings.chat_template)
@@ -70,13 +88,7 @@ async def create_chat_completion(
             cfg.min_new_tokens = min(cfg.min_new_tokens, cfg.max_new_tokens)
     job = client.new_job(endpoint, request)
     client.submit(job, [ids] * body.n, configs, adapter, body.priority, body.user_id or body.user)
-    return await run_job(
-        job,
-        request,
-        body.stream,
-        lambda: _whole(client, job, body, num_top, (mode, name)),
-        lambda: _stream(client, job, body, num_top, (mode, name)),
-    )
+    return job, (mode, name)
 
 
 def _whole(
