@@ -7,7 +7,7 @@ from __future__ import annotations
 import schemathesis
 
 CAPS = {"n": 2, "max_tokens": 4, "max_completion_tokens": 4, "request_output_len": 4,
-        "num_beams": 2}  # fmt: skip
+        "num_beams": 2, "max_output_tokens": 4}  # fmt: skip
 
 
 @schemathesis.hook
@@ -22,6 +22,8 @@ def before_call(context, case, kwargs) -> None:
             body[key] = cap
     if "completions" in case.path and body.get("max_tokens") is None:
         body["max_tokens"] = 4  # none: up to the end of the context
+    if case.path == "/v1/responses" and body.get("max_output_tokens") is None:
+        body["max_output_tokens"] = 4
     if case.path.endswith("interactive_qos"):  # its default output length is long
         body.setdefault("request_output_len", 4)
 

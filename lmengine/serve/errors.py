@@ -17,7 +17,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lmengine.engine.request import STEP_FAILED
 from lmengine.serve.metrics import ServerMetrics
-from lmengine.serve.protocol import UNION_TAGS
 
 logger = logging.getLogger("lmengine.serve")
 
@@ -113,6 +112,12 @@ def generation_error(message: str) -> APIError:
     return APIError(500, message, "server_error") if err.status == 400 else err
 
 
+def _is_tag(part) -> bool:
+    """Whether a part of an error's location is a tagged union's tag: the request models
+    name every tag with a space ("user message", "text input"), which no field name has."""
+    return isinstance(part, str) and " " in part
+
+
 def install_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
     """Answer every error of `app` with OpenAI's body and count it by status."""
 
@@ -129,7 +134,7 @@ def install_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
         problems = []
         param = None
         for e in err.errors()[:3]:
-            loc = [str(x) for x in e.get("loc", ()) if x != "body" and x not in UNION_TAGS]
+            loc = [str(x) for x in e.get("loc", ()) if x != "body" and not _is_tag(x)]
             param = param or (".".join(loc) or None)
             message = str(e.get("msg", "")).removeprefix("Value error, ")
             problems.append(f"{'.'.join(loc) or 'body'}: {message}")

@@ -335,11 +335,9 @@ MESSAGE_TYPES = {
     "assistant": AssistantMessage,
     "tool": ToolMessage,
 }
-# NOTE: a union's tag shows in the location of an error inside it; these tags hold a space, so
-# that no field name is one, and the error answer leaves them out (messages.0.content)
-UNION_TAGS = frozenset(
-    [f"{role} message" for role in MESSAGE_TYPES] + ["prompt body", "messages body"]
-)
+# NOTE: a union's tag shows in the location of an error inside it; every tag holds a space
+# ("user message"), so that no field name is one, and the error answer leaves it out
+# (messages.0.content)
 
 
 def _message_kind(message) -> str | None:

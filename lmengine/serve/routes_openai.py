@@ -1,5 +1,5 @@
 """The OpenAI router: GET /v1/models, POST /v1/completions, POST /v1/chat/completions,
-POST /v1/embeddings."""
+POST /v1/embeddings, POST /v1/responses (and GET of a stored one)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ from lmengine.serve.completions import create_completion
 from lmengine.serve.embeddings import create_embedding, embedding_request
 from lmengine.serve.errors import GENERATION_RESPONSES, error_responses
 from lmengine.serve.protocol import ChatCompletionRequest, CompletionRequest
+from lmengine.serve.responses import ResponseStore, create_response
+from lmengine.serve.responses_protocol import ResponsesRequest
 
 
 def openai_router(client: ServerContext) -> APIRouter:
@@ -44,6 +46,17 @@ def openai_router(client: ServerContext) -> APIRouter:
     @router.post("/v1/chat/completions", responses=GENERATION_RESPONSES)
     async def v1_chat_completions(body: ChatCompletionRequest, request: Request):
         return await create_chat_completion(client, body, request, "chat_completions")
+
+    store = ResponseStore()
+
+    @router.post("/v1/responses", responses=GENERATION_RESPONSES)
+    async def v1_responses(body: ResponsesRequest, request: Request):
+        return await create_response(client, store, body, request)
+
+    @router.get("/v1/responses/{response_id}", responses=error_responses(401, 404))
+    async def v1_get_response(response_id: str):
+        """A stored response (`store` true, the last 1,024 kept)."""
+        return store.get(response_id)[0]
 
     async def v1_embeddings(body, request: Request):
         return await create_embedding(client, body, request, "embeddings")
