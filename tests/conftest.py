@@ -82,6 +82,7 @@ TEST_KINDS = {
         "test_server.py",
         "test_server_adapters.py",
         "test_server_embeddings.py",
+        "test_server_frameworks.py",
         "test_server_responses.py",
         "test_server_lifecycle.py",
         "test_server_lora.py",

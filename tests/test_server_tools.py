@@ -158,6 +158,29 @@ def test_streamed_calls_reassemble_to_the_same_calls(client, tool_choice):
     assert all(x["pieces"] > 3 for x in calls.values())  # the arguments as they are written
 
 
+@pytest.mark.parametrize(
+    "tool_choice, max_tokens",  # cut after the function's name, in its arguments
+    [("required", 20), ({"type": "function", "function": {"name": "get_weather"}}, 12)],
+)
+def test_a_call_cut_by_max_tokens_finishes_with_length(client, tool_choice, max_tokens):
+    """As OpenAI answers: `finish_reason` "length" with the call as far as it was written
+    (clients such as instructor read it to report an incomplete output), streamed the same."""
+    c, _ = client
+    args = dict(model="tiny", messages=MESSAGES, tools=TOOLS, tool_choice=tool_choice)
+    args.update(max_tokens=max_tokens, temperature=0)
+    choice = c.chat.completions.create(**args).choices[0]
+    assert choice.finish_reason == "length"
+    ((call,),) = [choice.message.tool_calls]
+    assert call.function.name in MODELS and choice.message.content is None
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(call.function.arguments)
+    content, calls, reason = reassemble(c.chat.completions.create(**args, stream=True))
+    assert reason == "length" and content == ""
+    assert [(x["name"], x["arguments"]) for x in calls.values()] == [
+        (call.function.name, call.function.arguments)
+    ]
+
+
 def test_tool_results_in_the_history_and_auto_and_none(client):
     c, _ = client
     history = [*MESSAGES, *weather_call("call_1", "Paris", '{"temperature": 21}')]

@@ -91,6 +91,14 @@ async def submit_chat(
     return job, (mode, name)
 
 
+def _reason(resp, called: bool) -> str | None:
+    """OpenAI's finish reason of a choice: "tool_calls" when it ended on its own with calls;
+    a call cut by `max_tokens` finishes with "length" (its arguments are incomplete JSON)."""
+    if called and resp.finish_reason == "stop":
+        return "tool_calls"
+    return finish_reason(resp)
+
+
 def _whole(
     client: ServerContext, job: Job, body: ChatCompletionRequest, num_top: int, tool_mode
 ) -> dict:
@@ -110,7 +118,7 @@ def _whole(
                 "index": i,
                 "message": message,
                 "logprobs": logprobs,
-                "finish_reason": "tool_calls" if calls else finish_reason(resp),
+                "finish_reason": _reason(resp, bool(calls)),
             }
         )
     answer = {
@@ -154,9 +162,7 @@ def _stream(
         else:
             texts[i] += resp.text or ""
             delta, calls = outputs[i].delta(texts[i], resp.finish_reason is not None)
-        reason = finish_reason(resp)
-        if resp.finish_reason is not None and outputs[i].called:
-            reason = "tool_calls"
+        reason = _reason(resp, outputs[i].called)
         logprobs = None
         if body.logprobs:
             logprobs = {"content": chat_logprobs(resp, num_top, client.token_text)}

@@ -230,13 +230,14 @@ def tool_constraint(body, mode: str, name: str | None, auto_parser: str | None) 
 
 
 def calls_from_constrained(text: str, mode: str, name: str | None) -> list[ToolCall]:
-    """The calls of a `required` or named-function output (JSON the grammar produced)."""
+    """The calls of a `required` or named-function output (JSON the grammar produced); cut
+    by `max_tokens`, the calls as far as they were written (as they were streamed)."""
     if mode == "named":
         return [ToolCall(name, text)]
     try:
         return calls_of_json(text, json.loads(text))
-    except json.JSONDecodeError:  # cut by max_tokens: no complete call
-        return []
+    except json.JSONDecodeError:
+        return [call for call, _ in written_calls(text)]
 
 
 def template_takes_tools(tokenizer, template: str | None) -> bool:
