@@ -201,6 +201,11 @@ def test_errors_in_anthropic_shape(server, client):
         client.messages.create(
             model="tiny", max_tokens=4, messages=[{"role": "user", "content": [image]}]
         )
+    in_result = {"type": "tool_result", "tool_use_id": "toolu_1", "content": [image]}
+    with pytest.raises(anthropic.BadRequestError, match="image and document blocks"):
+        client.messages.create(
+            model="tiny", max_tokens=4, messages=[{"role": "user", "content": [in_result]}]
+        )
     with pytest.raises(anthropic.BadRequestError, match="server tools"):
         client.messages.create(
             **GREEDY, messages=STORY, tools=[{"type": "web_search_20250305", "name": "web_search"}]

@@ -74,6 +74,7 @@ class ThinkingBlock(_Block):
     type: Literal["thinking", "redacted_thinking"]
 
 
+TEXT_ONLY = "image and document blocks are refused: the served model reads text only"
 TextBlocks = list[TextBlock]
 ResultContent = Annotated[
     Annotated[str, Tag("result text")] | Annotated[TextBlocks, Tag("result blocks")],
@@ -94,8 +95,16 @@ class ToolResultBlock(_Block):
     content: ResultContent = ""
     is_error: bool = False
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_only(cls, content):
+        if isinstance(content, list) and any(
+            isinstance(b, dict) and b.get("type") in ("image", "document") for b in content
+        ):
+            raise ValueError(f"a tool result's content is text: {TEXT_ONLY}")
+        return content
 
-TEXT_ONLY = "image and document blocks are refused: the served model reads text only"
+
 UserBlock = Annotated[
     Annotated[TextBlock, Tag("text block")] | Annotated[ToolResultBlock, Tag("tool_result block")],
     Discriminator(
