@@ -81,6 +81,7 @@ TEST_KINDS = {
         "test_router.py",
         "test_server.py",
         "test_server_adapters.py",
+        "test_server_anthropic.py",
         "test_server_embeddings.py",
         "test_server_frameworks.py",
         "test_server_responses.py",

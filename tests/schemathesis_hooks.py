@@ -35,6 +35,8 @@ def before_call(context, case, kwargs) -> None:
 # of two fields), a LoRA folder that cannot be loaded or a name already taken.
 SEMANTIC_REFUSALS = (
     "context_length_exceeded",
+    "this model's context is",  # the same, in Anthropic's body (no code)
+    "exceeds the model's context length",
     "empty prompt",
     "does not compile",
     "no token of the model",

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API over one Engine (FastAPI).
 
-`build_app(engine, settings)` returns the ASGI app: one `ServerContext` shared by three
-routers (OpenAI, QoS, health/metrics, tokenizer) and OpenAI-style error handlers. Handlers turn a
+`build_app(engine, settings)` returns the ASGI app: one `ServerContext` shared by the routers
+(OpenAI, Anthropic's Messages, QoS, health/metrics, tokenizer) and error handlers that answer
+in OpenAI's shape (Anthropic's on its paths). Handlers turn a
 request body into token ids and GenerationConfigs, run them as a `Job` (one engine request
 per choice) and answer as OpenAI does, whole or streamed. The engine runs in its own thread;
 nothing here touches the scheduler or the model.
@@ -19,6 +20,7 @@ from lmengine.serve.convert import gen_configs as _gen_configs  # noqa: F401 - t
 from lmengine.serve.errors import install_error_handlers
 from lmengine.serve.jobs import ResponseRouter
 from lmengine.serve.limits import BodyLimit
+from lmengine.serve.routes_anthropic import anthropic_router
 from lmengine.serve.routes_health import health_router
 from lmengine.serve.routes_lora import lora_router
 from lmengine.serve.routes_openai import openai_router
@@ -42,7 +44,8 @@ def build_app(engine, settings: ServerSettings) -> FastAPI:
 
     app = FastAPI(
         title="lmengine",
-        description="OpenAI-compatible API of lmengine, with LMDeploy's QoS endpoints",
+        description="OpenAI-compatible API of lmengine, Anthropic's Messages API and "
+        "LMDeploy's QoS endpoints",
         version="0.1.0",
         lifespan=lifespan,
     )
@@ -53,6 +56,7 @@ def build_app(engine, settings: ServerSettings) -> FastAPI:
     # NOTE: this order is the order of the paths in the OpenAPI document
     app.include_router(health_router(client))
     app.include_router(openai_router(client))
+    app.include_router(anthropic_router(client))
     app.include_router(qos_router(client))
     app.include_router(tokenizer_router(client))
     if settings.enable_lora_updates:

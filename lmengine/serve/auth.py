@@ -10,8 +10,9 @@ from lmengine.serve.errors import APIError
 
 
 def api_key_check(api_keys: list[str]) -> Callable[[Request], None]:
-    """A FastAPI dependency accepting `Authorization: Bearer KEY` for a KEY in `api_keys`
-    (anything when the list is empty) and answering 401 otherwise."""
+    """A FastAPI dependency accepting `Authorization: Bearer KEY` or `x-api-key: KEY`
+    (Anthropic's header) for a KEY in `api_keys` (anything when the list is empty) and
+    answering 401 otherwise."""
     keys = frozenset(api_keys)
 
     def check_key(request: Request) -> None:
@@ -19,7 +20,10 @@ def api_key_check(api_keys: list[str]) -> Callable[[Request], None]:
             return
         header = request.headers.get("authorization", "")
         scheme, _, key = header.partition(" ")
-        if scheme.lower() != "bearer" or key.strip() not in keys:
+        if scheme.lower() == "bearer" and key.strip() in keys:
+            return
+        other = request.headers.get("x-api-key", "").strip()
+        if not (other and other in keys):
             raise APIError(
                 401, "invalid or missing API key", "invalid_request_error", "invalid_api_key"
             )

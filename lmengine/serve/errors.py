@@ -1,13 +1,17 @@
-"""Error answers of the HTTP API, always with OpenAI's body.
+"""Error answers of the HTTP API: OpenAI's body, or Anthropic's on Anthropic's paths.
 
 `APIError` is what handlers raise; `engine_error` maps an engine refusal to its status; and
 `install_error_handlers` makes every failure (validation, unknown path, unexpected exception)
-an OpenAI-style JSON body counted in the server metrics.
+a JSON body counted in the server metrics. The body's shape follows the request's path
+(`error_body`): Anthropic's `{"type": "error", "error": {type, message}}` under
+/v1/messages, OpenAI's `{"error": {message, type, param, code}}` everywhere else; the
+status is the same either way.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -35,9 +39,40 @@ class ErrorBody(BaseModel):
     error: Detail
 
 
-def error_responses(*statuses: int) -> dict:
-    """OpenAPI `responses` for error statuses, each with OpenAI's error body."""
-    return {s: {"model": ErrorBody, "description": ERROR_MEANINGS[s]} for s in statuses}
+class AnthropicErrorBody(BaseModel):
+    """Anthropic's error body, as every error answer under /v1/messages carries it."""
+
+    class Detail(BaseModel):
+        type: str
+        message: str
+
+    type: Literal["error"]
+    error: Detail
+
+
+def error_responses(*statuses: int, body: type[BaseModel] = ErrorBody) -> dict:
+    """OpenAPI `responses` for error statuses, each with the error `body` (default: OpenAI's)."""
+    return {s: {"model": body, "description": ERROR_MEANINGS[s]} for s in statuses}
+
+
+ANTHROPIC_PREFIX = "/v1/messages"
+# Anthropic's error type of each status (another 4xx: invalid_request_error, 5xx: api_error)
+ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+    504: "timeout_error",
+}
+
+
+def speaks_anthropic(path: str) -> bool:
+    """Whether errors on `path` take Anthropic's shape (/v1/messages and below it)."""
+    return path == ANTHROPIC_PREFIX or path.startswith(ANTHROPIC_PREFIX + "/")
 
 
 ERROR_MEANINGS = {
@@ -89,6 +124,18 @@ class APIError(Exception):
             }
         }
 
+    def anthropic_body(self) -> dict:
+        """Anthropic's body: {"type": "error", "error": {"type", "message"}}."""
+        kind = ANTHROPIC_TYPES.get(self.status)
+        if kind is None:
+            kind = "api_error" if self.status >= 500 else "invalid_request_error"
+        return {"type": "error", "error": {"type": kind, "message": self.message}}
+
+
+def error_body(err: APIError, path: str) -> dict:
+    """The body of `err` answering a request for `path` (Anthropic's or OpenAI's shape)."""
+    return err.anthropic_body() if speaks_anthropic(path) else err.body()
+
 
 def engine_error(message: str) -> APIError:
     """The HTTP error for a request the engine refused before generating anything."""
@@ -119,15 +166,17 @@ def _is_tag(part) -> bool:
 
 
 def install_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
-    """Answer every error of `app` with OpenAI's body and count it by status."""
+    """Answer every error of `app` with the body its path speaks (`error_body`) and count
+    it by status."""
 
-    def error_json(err: APIError) -> JSONResponse:
+    def error_json(request: Request, err: APIError) -> JSONResponse:
         metrics.count_error(err.status)
-        return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+        body = error_body(err, request.url.path)
+        return JSONResponse(body, status_code=err.status, headers=err.headers)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, err: APIError):
-        return error_json(err)
+        return error_json(request, err)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, err: RequestValidationError):
@@ -138,15 +187,18 @@ def install_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
             param = param or (".".join(loc) or None)
             message = str(e.get("msg", "")).removeprefix("Value error, ")
             problems.append(f"{'.'.join(loc) or 'body'}: {message}")
-        return error_json(APIError(400, "invalid request: " + "; ".join(problems), param=param))
+        answer = APIError(400, "invalid request: " + "; ".join(problems), param=param)
+        return error_json(request, answer)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, err: StarletteHTTPException):
         code = "not_found" if err.status_code == 404 else None
         headers = getattr(err, "headers", None)  # 405: Allow
-        return error_json(APIError(err.status_code, str(err.detail), code=code, headers=headers))
+        answer = APIError(err.status_code, str(err.detail), code=code, headers=headers)
+        return error_json(request, answer)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, err: Exception):
         logger.exception("unexpected error on %s", request.url.path)
-        return error_json(APIError(500, f"internal error: {type(err).__name__}", "server_error"))
+        answer = APIError(500, f"internal error: {type(err).__name__}", "server_error")
+        return error_json(request, answer)

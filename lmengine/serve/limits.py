@@ -7,7 +7,7 @@ import time
 
 from starlette.responses import JSONResponse
 
-from lmengine.serve.errors import APIError
+from lmengine.serve.errors import APIError, error_body
 from lmengine.serve.metrics import ServerMetrics
 
 
@@ -53,7 +53,8 @@ class BodyLimit:
     async def _refuse(self, scope, receive, send) -> None:
         err = too_large(self.limit)
         self.metrics.count_error(err.status)
-        await JSONResponse(err.body(), status_code=err.status)(scope, receive, send)
+        body = error_body(err, scope.get("path", ""))  # in the shape of the path's API
+        await JSONResponse(body, status_code=err.status)(scope, receive, send)
 
 
 def received_at(request) -> float | None:
