@@ -48,8 +48,9 @@ setup(
             "lm-eval[api]==0.4.13",
             "smg==1.13.0",
             # the clients of the Responses, Messages and chat doors, as applications use them
-            # (tests/test_server_clients.py; tested: anthropic 2.14, openai-agents 0.24,
-            # langchain-openai 1.7, pydantic-ai-slim 2.68, instructor 1.17)
+            # (tests/test_server_responses.py, _anthropic.py, _frameworks.py; tested:
+            # anthropic 2.14, openai-agents 0.24, langchain-openai 1.7, instructor 1.17, which
+            # holds jiter below 0.15 and so openai at 3.3 and pydantic-ai-slim at 2.38)
             "anthropic>=2.0,<3",
             "openai-agents>=0.20,<1",
             "langchain-openai>=1.0,<2",

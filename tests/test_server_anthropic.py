@@ -7,11 +7,9 @@ every error in Anthropic's shape; the server is idle afterwards."""
 from __future__ import annotations
 
 import json
-from typing import Literal
 
 import anthropic
 import pytest
-from pydantic import BaseModel, Field
 
 from tests.test_server import (
     API_KEY,
@@ -21,17 +19,7 @@ from tests.test_server import (
     tiny_server,
     wait_idle,
 )
-
-
-class Weather(BaseModel):
-    city: str = Field(max_length=12)
-    unit: Literal["celsius", "fahrenheit"]
-
-
-class Search(BaseModel):
-    query: str = Field(max_length=20)
-    limit: int
-
+from tests.test_server_tools import MODELS, Search, Weather
 
 TOOLS = [
     {
@@ -41,7 +29,6 @@ TOOLS = [
     },
     {"name": "search", "description": "Search the web", "input_schema": Search.model_json_schema()},
 ]
-MODELS = {"get_weather": Weather, "search": Search}
 STORY = [{"role": "user", "content": "Tell me a story."}]
 # NOTE: the client names no sampling fields (newer Claude models take none): sent as extras
 GREEDY = dict(model="tiny", max_tokens=16, extra_body={"temperature": 0})

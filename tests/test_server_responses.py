@@ -7,23 +7,16 @@ with a function tool over SmolLM2."""
 
 from __future__ import annotations
 
-from typing import Literal
-
 import openai
 import pytest
-from pydantic import BaseModel, Field
 
 from tests.test_server import API_KEY, TINY_OPENAI_FLAGS, openai_client, tiny_server, wait_idle
+from tests.test_server_tools import Weather
 
 try:  # the HTTP client the installed openai package uses
     import httpx2 as httpx
 except ImportError:
     import httpx
-
-
-class Weather(BaseModel):
-    city: str = Field(max_length=12)
-    unit: Literal["celsius", "fahrenheit"]
 
 
 WEATHER = {

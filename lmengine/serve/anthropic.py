@@ -23,19 +23,13 @@ from pydantic import ValidationError
 
 from lmengine.engine.request import Response
 from lmengine.serve.anthropic_protocol import CountTokensRequest, MessagesRequest
-from lmengine.serve.chat import submit_chat
+from lmengine.serve.chat import chat_prompt, submit_chat
 from lmengine.serve.client import ServerContext
 from lmengine.serve.errors import APIError, generation_error
 from lmengine.serve.jobs import Job
 from lmengine.serve.protocol import ChatCompletionRequest
 from lmengine.serve.streaming import run_job
-from lmengine.serve.tools import (
-    ToolOutput,
-    chat_messages,
-    template_takes_tools,
-    tool_choice_mode,
-    tools_system_prompt,
-)
+from lmengine.serve.tools import ToolOutput
 
 ToolMode = tuple[str, str | None]  # submit_chat's (tool choice mode, function name)
 
@@ -126,21 +120,7 @@ async def count_tokens(client: ServerContext, body: CountTokensRequest) -> dict:
     """The number of tokens of the prompt `body` makes (template and tools included)."""
     chat = as_chat(body)
     client.adapter_for(chat.model)  # 404 for a model not served
-    # NOTE: the prompt as `submit_chat` builds it (tools through the template, or in the
-    # system message when the template takes none)
-    mode, _ = tool_choice_mode(chat)
-    native = template_takes_tools(client.tokenizer, client.settings.chat_template)
-    messages = chat_messages(chat.messages, native)
-    tools = [t.model_dump(exclude_none=True) for t in chat.tools or []] if mode != "none" else []
-    if tools and not native:
-        prompt = tools_system_prompt(tools)
-        if messages and messages[0]["role"] == "system":
-            messages[0] = {**messages[0], "content": prompt + "\n\n" + messages[0]["content"]}
-        else:
-            messages.insert(0, {"role": "system", "content": prompt})
-    ids = await client.off_loop(
-        client.encode_chat, messages, chat.add_generation_prompt, tools if native else None
-    )
+    ids, _ = await chat_prompt(client, chat)
     return {"input_tokens": len(ids)}
 
 

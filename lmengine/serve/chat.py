@@ -43,14 +43,11 @@ async def create_chat_completion(
     )
 
 
-async def submit_chat(
-    client: ServerContext, body: ChatCompletionRequest, request: Request, endpoint: str
-) -> tuple[Job, tuple[str, str | None]]:
-    """The chat request `body` through the template (tools in it or in a system message),
-    submitted as a Job of one engine request per choice; with its tool mode (mode, function
-    name), which `ToolOutput` reads the answer by. Every door that speaks chat (Responses,
-    Anthropic's Messages) comes through here."""
-    adapter = client.adapter_for(body.model)
+async def chat_prompt(
+    client: ServerContext, body: ChatCompletionRequest
+) -> tuple[list[int], tuple[str, str | None]]:
+    """The prompt's token ids of the chat request `body` (its tools through the template, or
+    in the system message when the template takes none) and its tool mode (mode, name)."""
     mode, name = tool_choice_mode(body)
     native = template_takes_tools(client.tokenizer, client.settings.chat_template)
     messages = chat_messages(body.messages, native)
@@ -64,6 +61,18 @@ async def submit_chat(
     ids = await client.off_loop(
         client.encode_chat, messages, body.add_generation_prompt, tools if native else None
     )
+    return ids, (mode, name)
+
+
+async def submit_chat(
+    client: ServerContext, body: ChatCompletionRequest, request: Request, endpoint: str
+) -> tuple[Job, tuple[str, str | None]]:
+    """The chat request `body` through the template (tools in it or in a system message),
+    submitted as a Job of one engine request per choice; with its tool mode (mode, function
+    name), which `ToolOutput` reads the answer by. Every door that speaks chat (Responses,
+    Anthropic's Messages) comes through here."""
+    adapter = client.adapter_for(body.model)
+    ids, (mode, name) = await chat_prompt(client, body)
     max_tokens = body.max_completion_tokens or body.max_tokens
     num_top = body.top_logprobs or 0
     logprobs = num_top if body.logprobs else None
