@@ -148,6 +148,9 @@ class EngineConfig:
     cache_max_entry_count: float = 0.2  # fraction of free memory given to the KV pool
     max_batch_size: int = 128  # sequences per step
     max_prefill_token_num: int = 4096  # prompt tokens per step (up to 1/8 more to finish a prompt)
+    # NOTE: prompt chunks fill what the step's predicted time (a cost model fitted to the
+    # engine's own steps, scheduler/step_cost.py) leaves after its decodes
+    max_step_ms: float = 0.0  # a step's latency target in ms; 0 = the token budget alone
     session_len: int | None = None  # max prompt + generated tokens; None = model's limit
     eviction_type: str = "recompute"  # how to preempt when blocks run out
     scheduling_policy: str = "fcfs"
@@ -180,6 +183,7 @@ class EngineConfig:
         _check_range("cache_max_entry_count", self.cache_max_entry_count, 0, 1, low_open=True)
         _check_int("max_batch_size", self.max_batch_size, 1)
         _check_int("max_prefill_token_num", self.max_prefill_token_num, 1)
+        _check_range("max_step_ms", self.max_step_ms, 0)
         if self.session_len is not None:
             _check_int("session_len", self.session_len, 1)
         _check_choice("eviction_type", self.eviction_type, EVICTION_TYPES)

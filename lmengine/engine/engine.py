@@ -165,6 +165,7 @@ class Engine(LoraAdmin):
             qos=self._qos,
             num_lookahead_slots=cfg.speculative.num_speculative_tokens if cfg.speculative else 0,
             max_seq_len=self.session_len,
+            max_step_s=cfg.max_step_ms / 1000,
         )
         if cfg.adapters:
             pool = self.model_agent.lora
@@ -443,6 +444,7 @@ class Engine(LoraAdmin):
             error = self._fail_step(plan, e)
         else:
             self._failed_steps = 0
+            self.scheduler.observe_step(plan, time.monotonic() - started)
         if self._observers:
             self._report(plan, started, error)
         return plan

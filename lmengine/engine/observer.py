@@ -41,6 +41,8 @@ class StepReport:
     added: list[int] = field(default_factory=list)  # requests taken in since the last step
     ended: list[int] = field(default_factory=list)  # requests whose last Response went out
     error: str | None = None  # the step failed (its requests ended with this error)
+    # with a latency target (EngineConfig.max_step_ms), the seconds the scheduler predicted
+    predicted_seconds: float | None = None
     stats: Callable[[], dict] | None = field(default=None, repr=False)
 
     @functools.cached_property
@@ -77,4 +79,5 @@ def step_report(
         report.num_batched_tokens = out.num_batched_tokens
         report.num_prefill_tokens = out.num_prefill_tokens
         report.num_preempted = len(out.preempted) + len(out.swapped_out)
+        report.predicted_seconds = out.predicted_seconds
     return report

@@ -44,6 +44,13 @@ class SchedulerOutput:
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     adapter_plan: AdapterPlan | None = None  # LoRA loads, page tables of scheduled adapters
     finished_seq_ids: list[int] = field(default_factory=list)  # sequences ended since last step
+    # with a latency target (and a cost model learned): the step's predicted seconds
+    predicted_seconds: float | None = None
+
+    @property
+    def chunks(self) -> list[tuple[int, int]]:
+        """(start_pos, num_new_tokens) of every scheduled sequence: what the step computes."""
+        return [(item.start_pos, item.num_new_tokens) for item in self.scheduled]
 
     @property
     def request_ids(self) -> set[int]:

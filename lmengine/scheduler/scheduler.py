@@ -2,7 +2,9 @@
 
 There are no separate prefill and decode phases. Each step every scheduled sequence gets the
 tokens it has not computed yet: one for a decode, a chunk of its prompt for a prefill, limited
-by `max_prefill_token_num` prompt tokens per step (budget.py) and `max_batch_size` sequences.
+by `max_prefill_token_num` prompt tokens per step and `max_batch_size` sequences; with a
+latency target `max_step_s`, also by the predicted time a step has left after its decodes,
+from a cost model fitted to the engine's own steps (`observe_step`; budget.py, step_cost.py).
 
 1. Running sequences are served first, in serving order; when blocks run out the last one in
    that order (the victim) is preempted: by swap (its KV blocks copied to the host pool, it
@@ -31,7 +33,7 @@ from collections.abc import Iterable
 
 from lmengine.scheduler.adapter_manager import AdapterManager
 from lmengine.scheduler.block_manager import BlockManager
-from lmengine.scheduler.budget import prefill_chunk
+from lmengine.scheduler.budget import StepBudget
 from lmengine.scheduler.ordering import ServingOrder
 from lmengine.scheduler.output import ScheduledSequence, SchedulerOutput
 from lmengine.scheduler.policies import Policy
@@ -60,6 +62,7 @@ class Scheduler:
         adapter_manager: AdapterManager | None = None,
         num_lookahead_slots: int = 0,
         max_seq_len: int | None = None,
+        max_step_s: float = 0.0,
     ) -> None:
         """`num_lookahead_slots`: speculative decoding drafts up to this many tokens per
         decoding sequence, so a decode step allocates slots for them too (never past
@@ -70,6 +73,7 @@ class Scheduler:
         self.policy = policy
         self.max_batch_size = max_batch_size
         self.max_prefill_token_num = max_prefill_token_num
+        self.budget = StepBudget(max_prefill_token_num, max_step_s)
         self.clock = clock
         self.eviction_type = eviction_type
         self.qos = qos
@@ -91,7 +95,6 @@ class Scheduler:
         self.num_forks = 0  # sequences forked from another (beam search)
         self.num_shared_blocks = 0  # full blocks a fork took by reference instead of a copy
         self.num_cow_copies = 0  # partial last blocks copied for a fork
-        self._prefill_budget = 0
         self._pending_copies: list[tuple[int, int, Sequence]] = []  # (src, dst, fork) to emit
         self._finished_seq_ids: list[int] = []  # ended since the last schedule
 
@@ -140,7 +143,8 @@ class Scheduler:
         now = self.clock()
         out = SchedulerOutput(finished_seq_ids=self._finished_seq_ids)
         self._finished_seq_ids = []
-        self._prefill_budget = self.max_prefill_token_num
+        decodes = [(s.num_computed_tokens, 1) for s in self.running if s.num_uncomputed == 1]
+        self.budget.begin(decodes)
         bm = self.block_manager
         # last step's forks: their partial blocks are copied before anything else moves
         for src, dst, child in self._pending_copies:
@@ -181,13 +185,12 @@ class Scheduler:
             self._unpark_one(out, now)
         if self.adapter_manager is not None:
             out.adapter_plan = self.adapter_manager.plan(it.seq.adapter_id for it in out.scheduled)
+        out.predicted_seconds = self.budget.predict(out.chunks)
         return out
 
     def _num_new_tokens(self, seq: Sequence) -> int:
         """Tokens `seq` computes this step: 1 for a decode, else a chunk within the budget."""
-        num_new = seq.num_tokens - seq.num_computed_tokens
-        budget = self._prefill_budget, self.max_prefill_token_num  # (left, per step)
-        return num_new if num_new <= 1 else prefill_chunk(num_new, *budget)
+        return self.budget.chunk(seq.num_computed_tokens, seq.num_uncomputed)
 
     def _lookahead(self, seq: Sequence, num_new: int) -> int:
         """Draft slots for `seq` this step: only a decode (its last token is computed now)
@@ -323,7 +326,7 @@ class Scheduler:
                 )
                 if item.num_new_tokens > 1:
                     out.num_prefill_tokens -= item.num_new_tokens
-                    self._prefill_budget += item.num_new_tokens
+                    self.budget.spend(item.start_pos, item.num_new_tokens, -1)
                 return
 
     def _emit(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> None:
@@ -335,7 +338,7 @@ class Scheduler:
         self.num_computed_prompt_tokens += _num_prompt_tokens(seq, start, num_new)
         if num_new > 1:
             out.num_prefill_tokens += num_new
-            self._prefill_budget -= num_new
+            self.budget.spend(start, num_new)
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         """Preempt by swap when asked for and the host pool has room; else by recompute."""
@@ -403,6 +406,12 @@ class Scheduler:
         child.status = SequenceStatus.WAITING
         self.waiting.append(child)
         return child
+
+    def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
+        """The engine ran `out` in `seconds`: the step cost model learns from it (steps that
+        also moved blocks between pools cost what the model does not describe: skipped)."""
+        if out.scheduled and not (out.blocks_to_swap_in or out.blocks_to_swap_out):
+            self.budget.observe(out.chunks, seconds)
 
     def update(
         self,

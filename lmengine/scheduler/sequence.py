@@ -94,6 +94,11 @@ class Sequence(TokenCounts):
             self.num_prompt_tokens = len(self.token_ids)
 
     @property
+    def num_uncomputed(self) -> int:
+        """Tokens not in the cache yet: 1 for a decode, a prompt's rest for a prefill."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
     def max_new_tokens(self) -> int:
         return self.gen_config.max_new_tokens
 
