@@ -57,10 +57,14 @@ COLUMNS = [  # (header, key in vLLM's result file, format)
 ]
 
 
-def run_client(vllm_python: str, url: str, tokenizer: str, load: list[str], out: Path) -> dict:
+def run_client(
+    vllm_python: str, url: str, tokenizer: str, load: list[str], out: Path, goodput: list[str]
+) -> dict:
     """One `vllm bench serve` run; its result file as a dict."""
     cmd = [vllm_python, str(VLLM_CLI), "bench", "serve", "--base-url", url, "--model", NAME]
     cmd += ["--tokenizer", tokenizer, *CLIENT, *load, "--save-result"]
+    if goodput:  # requests per second meeting every objective (DistServe's goodput)
+        cmd += ["--goodput", *goodput]
     cmd += ["--result-dir", str(out.parent), "--result-filename", out.name]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
     if done.returncode != 0 or not out.exists():
@@ -126,9 +130,9 @@ def measure(args, server: str, workdir: Path, round_: int) -> list[dict]:
                 continue
             before = phase_sums(url) if server == "lmengine" else {}
             out = workdir / f"{server}_{round_}_{load.replace(' ', '_').replace('/', '')}.json"
-            result = run_client(args.vllm_python, url, args.hf_model, load_args, out)
+            result = run_client(args.vllm_python, url, args.hf_model, load_args, out, args.goodput)
             row = {"server": server, "load": load, "round": round_, "busy_before": busy}
-            row.update({key: result[key] for _, key, _ in COLUMNS})
+            row.update({key: result[key] for _, key, _ in columns(args.goodput)})
             row["completed"] = result["completed"]
             if before:
                 after = phase_sums(url)
@@ -144,14 +148,21 @@ def measure(args, server: str, workdir: Path, round_: int) -> list[dict]:
     return rows
 
 
-def report(rows: list[dict]) -> str:
+def columns(goodput: list[str]) -> list[tuple[str, str, str]]:
+    """The table's columns: COLUMNS, and vLLM's goodput when objectives are given."""
+    return [*COLUMNS, ("goodput req/s", "request_goodput", "{:.2f}")] if goodput else COLUMNS
+
+
+def report(rows: list[dict], goodput: list[str]) -> str:
     from lmengine.bench.report import cpu_model
 
+    cols = columns(goodput)
+
     lines = [f"{cpu_model()}, {os.cpu_count()} CPUs, {time.strftime('%Y-%m-%d')}", ""]
-    lines.append("| load | server | round | " + " | ".join(h for h, _, _ in COLUMNS) + " |")
-    lines.append("|" + " --- |" * (3 + len(COLUMNS)))
+    lines.append("| load | server | round | " + " | ".join(h for h, _, _ in cols) + " |")
+    lines.append("|" + " --- |" * (3 + len(cols)))
     for r in sorted(rows, key=lambda r: (list(LOADS).index(r["load"]), r["server"], r["round"])):
-        cells = " | ".join(fmt.format(r[key]) for _, key, fmt in COLUMNS)
+        cells = " | ".join(fmt.format(r[key]) for _, key, fmt in cols)
         lines.append(f"| {r['load']} | {r['server']} | {r['round']} | {cells} |")
     servers = {r["server"] for r in rows}
     if {"lmengine", "vllm"} <= servers:
@@ -161,7 +172,7 @@ def report(rows: list[dict]) -> str:
             if not any(r["load"] == load for r in rows):
                 continue
             parts = []
-            for header, key, _ in COLUMNS:
+            for header, key, _ in cols:
                 med = {
                     s: statistics.median(
                         r[key] for r in rows if r["load"] == load and r["server"] == s
@@ -205,6 +216,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-vllm-server", action="store_true", help="measure lmengine only")
     p.add_argument("--force", action="store_true", help="run even if the CPUs are busy")
     p.add_argument("--json", metavar="PATH", help="also write every run as JSON")
+    p.add_argument(
+        "--goodput",
+        nargs="+",
+        default=[],
+        metavar="KEY:MS",
+        help="objectives for vLLM's goodput column, e.g. ttft:500 tpot:100 (keys ttft, "
+        "tpot, e2el); lmengine serve's own --slo-ttft-ms / --slo-itl-ms count in /metrics",
+    )
     p.add_argument("flags", nargs="*", help="extra `lmengine serve` flags (after --)")
     args = p.parse_args(argv)
     if args.hf_model is None:
@@ -218,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         for round_ in range(1, args.rounds + 1):
             for server in servers if round_ % 2 else servers[::-1]:
                 rows += measure(args, server, Path(tmp), round_)
-    text = report(rows)
+    text = report(rows, args.goodput)
     print(text)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))

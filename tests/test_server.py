@@ -162,6 +162,7 @@ def server(tiny_llama_path, tmp_path_factory):
         "--num-gpu-blocks", "512",
         "--qos-config-path", str(qos),
         "--enable-lora-updates",  # so that the schema fuzzing reaches the adapter endpoints
+        "--slo-ttft-ms", "60000", "--slo-itl-ms", "0.001",  # goodput: one always met, one never
     ) as url:  # fmt: skip
         yield url
 
@@ -216,7 +217,8 @@ PHASES = ["prepare", "inbox", "queue_time", "prefill_time", "handoff"]
 def test_time_to_first_token_is_split_into_its_phases(server, client, model):
     """/metrics splits each choice's time to first token into consecutive phases (HTTP and
     tokenizing, the engine's inbox, its queue, the prefill, the hand-off back): per choice
-    one sample each, and together they are the time to first token."""
+    one sample each, and together they are the time to first token; and every finished
+    choice is judged against the goodput objectives."""
     wait_idle(server)
     before = metrics(server)
     client.completions.create(model=model, prompt=["Once upon", "a time"], n=2, **GREEDY)
@@ -234,6 +236,13 @@ def test_time_to_first_token_is_split_into_its_phases(server, client, model):
     # the engine's steps, from its step observer: every token of the answers went through one
     assert delta("lmengine_engine_step_seconds_count") >= GREEDY["max_tokens"]
     assert delta("lmengine_iteration_tokens_total_sum") >= 4 * (GREEDY["max_tokens"] - 1)
+    # goodput: every choice is judged; the first token came within 60 s, but no gap between
+    # tokens is 1 us
+    met = 'lmengine_slo_met_requests_total{{objective="{}"}}'
+    assert delta("lmengine_slo_requests_total") == 4
+    assert delta(met.format("ttft")) == 4 and delta(met.format("itl")) == 0
+    assert delta(met.format("all")) == 0
+    assert after['lmengine_slo_objective_seconds{objective="ttft"}'] == 60.0
 
 
 def test_completion_stream_equals_nonstream(client, model):

@@ -1,5 +1,6 @@
 """The Prometheus text of /metrics from engine stats, without a server: missing keys read 0,
-nested stats (the QoS counters per group and per user) become labelled samples."""
+nested stats (the QoS counters per group and per user) become labelled samples, goodput
+counts the requests meeting each objective."""
 
 from __future__ import annotations
 
@@ -51,3 +52,17 @@ def test_nested_qos_stats_become_labelled_samples():
     assert m['lmengine_requests_total{endpoint="chat_completions",finish_reason="stop"}'] == 1
     assert m['lmengine_time_to_first_token_seconds_bucket{le="0.025"}'] == 1
     assert m["lmengine_time_to_first_token_seconds_count"] == 1
+
+
+def test_goodput_counts_the_requests_meeting_each_objective():
+    metrics = ServerMetrics(slo_ttft_s=0.5, slo_itl_s=0.1)
+    for ttft, gap in ((0.2, 0.05), (0.7, 0.05), (0.2, 0.3), (0.9, 0.4)):
+        metrics.observe_slo(ttft, gap)
+    m = samples(metrics.render({}))
+    assert m["lmengine_slo_requests_total"] == 4
+    assert m['lmengine_slo_met_requests_total{objective="ttft"}'] == 2
+    assert m['lmengine_slo_met_requests_total{objective="itl"}'] == 2
+    assert m['lmengine_slo_met_requests_total{objective="all"}'] == 1
+    everything = ServerMetrics()  # no objectives: every request meets them
+    everything.observe_slo(30.0, 5.0)
+    assert samples(everything.render({}))['lmengine_slo_met_requests_total{objective="all"}'] == 1

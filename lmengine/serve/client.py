@@ -38,7 +38,7 @@ class ServerContext:
         self.settings = settings
         self.tokenizer = engine.tokenizer
         self.session_len: int = engine.session_len
-        self.metrics = ServerMetrics()
+        self.metrics = ServerMetrics(settings.slo_ttft_s, settings.slo_itl_s)
         engine.add_observer(self.metrics.observe_step)
         self.router: ResponseRouter | None = None  # built on the event loop at startup
         self.sessions: dict[int, dict] = {}  # interactive session id -> history

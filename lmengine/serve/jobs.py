@@ -66,6 +66,8 @@ class Choice:
     first: Response | None = None  # its first delta
     final: Response | None = None  # its whole answer, once finished
     first_time: float | None = None
+    last_token_time: float | None = None  # when its latest token reached the event loop
+    max_gap: float = 0.0  # the longest wait between two of its tokens (goodput)
     is_done: bool = False
 
 
@@ -124,6 +126,10 @@ class Job:
             return
         now = time.monotonic()
         choice.answer.add(resp)
+        if resp.token_ids:
+            if choice.last_token_time is not None:
+                choice.max_gap = max(choice.max_gap, now - choice.last_token_time)
+            choice.last_token_time = now
         if choice.first is None:
             choice.first, choice.first_time = resp, now
             self.metrics.num_queued -= 1
@@ -153,6 +159,8 @@ class Job:
         m.generation_tokens += resp.generate_token_len
         if resp.finish_reason in ("stop", "length"):
             m.e2e.observe(now - self.start)
+            if choice.first_time is not None and resp.generate_token_len > 0:
+                m.observe_slo(choice.first_time - self.start, choice.max_gap)
             if resp.generate_token_len > 1 and choice.first_time is not None:
                 m.tpot.observe((now - choice.first_time) / (resp.generate_token_len - 1))
 

@@ -77,7 +77,7 @@ class ServerMetrics:
     """What the HTTP layer counts: requests by endpoint and outcome, tokens in and out,
     latency histograms, and the requests it holds (in flight, queued)."""
 
-    def __init__(self) -> None:
+    def __init__(self, slo_ttft_s: float = 0.0, slo_itl_s: float = 0.0) -> None:
         self.requests: dict[tuple[str, str], int] = {}  # (endpoint, finish reason) -> count
         self.http_errors: dict[int, int] = {}  # status -> count
         self.prompt_tokens = 0
@@ -99,6 +99,10 @@ class ServerMetrics:
         self.step_tokens = Histogram(
             "lmengine_iteration_tokens_total", "tokens computed per engine step", TOKEN_BUCKETS
         )
+        # goodput (`observe_slo`): finished requests, and those meeting each objective
+        self.slo_ttft_s, self.slo_itl_s = slo_ttft_s, slo_itl_s
+        self.slo_judged = 0
+        self.slo_met = {"ttft": 0, "itl": 0, "all": 0}
 
     def observe_step(self, report) -> None:
         """A step observer (`Engine.add_observer`): the step's duration and tokens."""
@@ -116,6 +120,16 @@ class ServerMetrics:
         for hist, end in zip(self.phases.values(), ends):
             hist.observe(end - start)
             start = end
+
+    def observe_slo(self, ttft: float, max_gap: float) -> None:
+        """A request that finished (stop or length) with this time to first token and this
+        longest gap between two of its tokens, judged against the objectives (0: none)."""
+        ttft_ok = not self.slo_ttft_s or ttft <= self.slo_ttft_s
+        itl_ok = not self.slo_itl_s or max_gap <= self.slo_itl_s
+        self.slo_judged += 1
+        self.slo_met["ttft"] += ttft_ok
+        self.slo_met["itl"] += itl_ok
+        self.slo_met["all"] += ttft_ok and itl_ok
 
     def count_request(self, endpoint: str, finish_reason: str) -> None:
         key = (endpoint, finish_reason)
@@ -167,10 +181,35 @@ class ServerMetrics:
         ]
         for status, n in sorted(self.http_errors.items()):
             lines.append(f'lmengine_http_errors_total{{status="{status}"}} {n}')
+        lines += self.render_goodput()
         steps = (self.step_seconds, self.step_tokens)
         for hist in (self.ttft, self.tpot, self.e2e, *self.phases.values(), *steps):
             lines += hist.render()
         return "\n".join(lines) + "\n"
+
+    def render_goodput(self) -> list[str]:
+        """Goodput as counters (a fraction is their ratio: `met{objective="all"} / judged`)
+        and the objectives themselves as gauges."""
+        lines = [
+            "# HELP lmengine_slo_requests_total finished requests judged against the objectives",
+            "# TYPE lmengine_slo_requests_total counter",
+            f"lmengine_slo_requests_total {self.slo_judged}",
+            "# HELP lmengine_slo_met_requests_total finished requests meeting an objective "
+            "(ttft, itl, or all of them: goodput)",
+            "# TYPE lmengine_slo_met_requests_total counter",
+        ]
+        lines += [
+            f'lmengine_slo_met_requests_total{{objective="{name}"}} {n}'
+            for name, n in self.slo_met.items()
+        ]
+        lines += [
+            "# HELP lmengine_slo_objective_seconds the objectives (--slo-ttft-ms, --slo-itl-ms; "
+            "0: none)",
+            "# TYPE lmengine_slo_objective_seconds gauge",
+            f'lmengine_slo_objective_seconds{{objective="ttft"}} {self.slo_ttft_s}',
+            f'lmengine_slo_objective_seconds{{objective="itl"}} {self.slo_itl_s}',
+        ]
+        return lines
 
 
 def gateway_metrics(stats: dict) -> list[str]:

@@ -60,6 +60,20 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
         help="seconds after which a request is cancelled and answered 504 (default: 0 = none)",
     )
     g.add_argument(
+        "--slo-ttft-ms",
+        type=float,
+        default=0.0,
+        help="goodput: the time-to-first-token objective; /metrics counts the finished "
+        "requests that meet it (default: 0 = none)",
+    )
+    g.add_argument(
+        "--slo-itl-ms",
+        type=float,
+        default=0.0,
+        help="goodput: the objective for every gap between two tokens of a request "
+        "(default: 0 = none)",
+    )
+    g.add_argument(
         "--chat-template", default=None, metavar="FILE", help="a Jinja chat template file"
     )
     g.add_argument(
@@ -154,6 +168,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         api_keys=list(args.api_keys or []),
         max_queued_requests=args.max_queued_requests,
         request_timeout=args.request_timeout,
+        slo_ttft_s=args.slo_ttft_ms / 1000,
+        slo_itl_s=args.slo_itl_ms / 1000,
         chat_template=template,
         tool_call_parser=args.tool_call_parser,
         auto_tool_constraint=args.auto_tool_constraint,

@@ -16,6 +16,10 @@ class ServerSettings:
     api_keys: list[str] = field(default_factory=list)  # empty: no key needed
     max_queued_requests: int = 0  # choices waiting for their first token; 0: no limit
     request_timeout: float = 0.0  # seconds; 0: none
+    # goodput: a finished request meets its objectives when its first token came within
+    # slo_ttft_s and no gap between two of its tokens passed slo_itl_s (0: no objective)
+    slo_ttft_s: float = 0.0
+    slo_itl_s: float = 0.0
     chat_template: str | None = None  # Jinja source replacing the tokenizer's template
     tool_call_parser: str = "hermes"  # how tool calls are found in text (serve/tools.py)
     auto_tool_constraint: bool = True  # under tool_choice=auto, a call that starts parses
