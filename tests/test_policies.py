@@ -27,6 +27,7 @@ EXPECTED_ORDER = {
     "priority": [2, 0, 3, 1, 4],  # larger first, None last, ties by arrival
     "sjf": [1, 3, 2, 0, 4],  # max_new 3, 3, 6, 9, 12; ties by arrival
     "ldf": [1, 4, 3, 0, 2],  # prompt lengths 12, 9, 7, 5, 2
+    "srpf": [2, 0, 3, 4, 1],  # prompt tokens left 2, 5, 7, 9, 12
 }
 
 
@@ -181,3 +182,31 @@ def test_registered_custom_policy_drives_the_scheduler():
     assert finished == [2, 0, 3, 4, 1]  # prompt lengths 2, 5, 7, 9, 12
     with pytest.raises(TypeError):
         register_policy("not_a_policy")(object)
+
+
+def _first_tokens(policy: str, aging_s: float = 0.0) -> list[int]:
+    """A burst of prompts of 900, 50, 400 and 30 tokens arriving in that order, then from
+    step 5 a 64-token prompt every step (the whole budget: 64 prompt tokens a step): the
+    order of the burst's first tokens."""
+    s = make_scheduler(num_blocks=512, budget=64, policy=policy, eviction="recompute",
+                       clock=Clock(), priority_aging_s=aging_s)  # fmt: skip
+    for i, n in enumerate((900, 50, 400, 30)):
+        s.add_sequence(make_seq(i, n, max_new=2, arrival=0.0))
+    order: list[int] = []
+    for step in range(200):
+        if step >= 5:
+            s.add_sequence(make_seq(10 + step, 64, max_new=1, arrival=s.clock.t))
+        out = s.schedule()
+        new = {it.seq.seq_id: 3 for it in out.scheduled if it.needs_sample}
+        order += [i for i in new if i < 4 and i not in order]
+        s.update(out, new, [it.seq for it in out.scheduled if it.needs_sample])
+        s.clock.t += 0.1
+    return order
+
+
+def test_srpf_gives_a_burst_its_first_tokens_shortest_first_and_aging_bounds_the_wait():
+    assert _first_tokens("fcfs") == [0, 1, 2, 3]
+    assert _first_tokens("srpf")[:2] == [3, 1]  # 30 and 50 tokens: in the first steps
+    # a stream of short prompts keeps overtaking the long ones, until they age
+    assert 0 not in _first_tokens("srpf")
+    assert _first_tokens("srpf", aging_s=1.0) == [3, 1, 2, 0]

@@ -144,6 +144,19 @@ class SJFPolicy(Policy):
         return (seq.max_new_tokens, seq.arrival_time, seq.seq_id)
 
 
+@register_policy("srpf")
+class SRPFPolicy(Policy):
+    """Shortest remaining prefill first: the sequences closest to their first token go
+    first (decodes, whose remaining prefill is nothing, before every prompt), so that a burst
+    of prompts gets its first tokens shortest first; ties by arrival. With
+    `priority_aging_s`, a long prompt that keeps being overtaken gains a level per that many
+    seconds and is not starved."""
+
+    def key(self, seq: Sequence, now: float) -> tuple:
+        remaining = seq.num_uncomputed if seq.num_uncomputed > 1 else 0
+        return (remaining, seq.arrival_time, seq.seq_id)
+
+
 @register_policy("ldf")
 class LDFPolicy(Policy):
     """Longest (prompt + generated) first; ties by arrival."""
