@@ -73,7 +73,15 @@ def can_pack(weight: torch.Tensor) -> bool:
         and weight.dim() == 2
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and (weight.dtype != torch.bfloat16 or _onednn_bf16())
     )
+
+
+@functools.cache
+def _onednn_bf16() -> bool:
+    """Whether oneDNN computes bfloat16 here: it needs AVX512 (BW, VL, DQ) or AVX-NE-CONVERT,
+    so an AVX2-only CPU (AMD Zen 3) that is asked for bfloat16 runs PyTorch's own linear."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:

@@ -198,3 +198,13 @@ def test_cpu_vendor_and_override(monkeypatch):
         assert linear_module.mkl_is_fast() is expected
     monkeypatch.delenv("LMENGINE_GEMM")
     linear_module.mkl_is_fast.cache_clear()
+
+
+def test_bfloat16_without_onednn_support_runs_unpacked(monkeypatch):
+    """On a CPU where oneDNN has no bfloat16 path (AVX2 only: AMD Zen 3), a bfloat16 weight
+    is not packed (packing would raise) and `linear` is PyTorch's own."""
+    monkeypatch.setattr(linear_module, "_onednn_bf16", lambda: False)
+    weight = torch.randn(32, 64, dtype=torch.bfloat16)
+    assert pack_weight(weight) is None
+    x = torch.randn(5, 64, dtype=torch.bfloat16)
+    torch.testing.assert_close(linear(x, weight, None, pack_weight(weight)), F.linear(x, weight))
