@@ -80,11 +80,12 @@ ERROR_MEANINGS = {
     401: "missing or wrong API key",
     403: "not allowed by the server's configuration (the message names the rule)",
     404: "unknown model or adapter",
+    408: "headers or body too slow (--header-timeout, --body-timeout)",
     413: "request body too large",
     429: "too many queued requests (see Retry-After)",
     499: "request cancelled",
     500: "the step running the request failed",
-    503: "the engine is not running, or the server is shutting down",
+    503: "the engine is not running, the server is shutting down, or too many connections",
     504: "the request timed out (--request-timeout)",
 }
 # a generation's answer: JSON, or server-sent events when streamed; and its errors

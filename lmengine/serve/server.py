@@ -3,7 +3,8 @@
 Engine flags come from `EngineConfig` through `lmengine.flags` (one flag per field);
 the server adds its own (host, port, keys, limits, template). SIGTERM shuts down gracefully:
 uvicorn stops accepting, running requests get `--grace-period` seconds to finish, the rest
-are cancelled, the engine is closed and the process exits 0.
+are cancelled, the engine is closed and the process exits 0. Slow and hostile clients meet
+the limits of serve/connections.py.
 """
 
 from __future__ import annotations
@@ -104,6 +105,36 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
         "starts is constrained to the tools' schemas, so it always parses)",
     )
     g.add_argument(
+        "--header-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a request's headers may take from its first byte (a new connection's "
+        "first request: from the connection's opening); slower ones are answered 408 and "
+        "the connection closed (default: 10; 0: none)",
+    )
+    g.add_argument(
+        "--body-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a request's whole body may take to arrive after its headers, else 408 "
+        "and the connection closed (default: 30, a 4 MiB body at 1.1 Mbit/s; 0: none)",
+    )
+    g.add_argument(
+        "--max-connections",
+        type=int,
+        default=1024,
+        help="open connections beyond which a new connection's request is answered 503 with "
+        "Retry-After and the connection closed (default: 1024; 0: no limit)",
+    )
+    g.add_argument(
+        "--stream-write-timeout",
+        type=float,
+        default=60.0,
+        help="seconds an answer (a stream) may wait on a client that reads nothing once the "
+        "socket's buffers are full; then the connection is dropped and the request "
+        "cancelled, its KV blocks freed (default: 60; 0: none)",
+    )
+    g.add_argument(
         "--grace-period",
         type=float,
         default=30.0,
@@ -129,6 +160,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from lmengine.config import EngineConfig
     from lmengine.engine.engine import Engine
     from lmengine.serve.app import ServerSettings, build_app
+    from lmengine.serve.connections import ConnectionLimits, guarded_protocol
+    from lmengine.serve.limits import too_many_connections
 
     model = args.model_path or args.model
     engine_config = build_dataclass(EngineConfig, args, SERVE_ENGINE_DEFAULTS)
@@ -140,8 +173,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-queued-requests must be >= 0, got {args.max_queued_requests}")
     if args.max_body_mb < 0:
         raise ValueError(f"--max-body-mb must be >= 0, got {args.max_body_mb}")
-    if args.request_timeout < 0:
-        raise ValueError(f"--request-timeout must be >= 0, got {args.request_timeout}")
+    for flag in ("request_timeout", "header_timeout", "body_timeout", "max_connections",
+                 "stream_write_timeout"):  # fmt: skip
+        if getattr(args, flag) < 0:
+            name = "--" + flag.replace("_", "-")
+            raise ValueError(f"{name} must be >= 0 (0: none), got {getattr(args, flag)}")
     lora_root = None
     if args.lora_root is not None:
         if not args.enable_lora_updates:
@@ -158,14 +194,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
         tool_call_parser=args.tool_call_parser,
         auto_tool_constraint=args.auto_tool_constraint,
         max_body_bytes=int(args.max_body_mb * (1 << 20)),
+        body_timeout=args.body_timeout,
         qos_enabled=engine_config.qos_config_path is not None,
         enable_lora_updates=args.enable_lora_updates,
         lora_root=lora_root,
         embedding_pooling=args.embedding_pooling,
     )
+    limits = ConnectionLimits(args.header_timeout, args.max_connections, args.stream_write_timeout)
     with model_load_errors(model, engine_config):
         engine = Engine.from_pretrained(model, engine_config)
     app = build_app(engine, settings)
+    client = app.state.client
     config = uvicorn.Config(
         app,
         host=args.host,
@@ -173,10 +212,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         log_level=args.log_level,
         timeout_graceful_shutdown=args.grace_period,
         access_log=False,
+        # NOTE: h11, whatever else is installed: the limits are built on its protocol
+        http=guarded_protocol(limits, too_many_connections(limits.max_connections, client.metrics)),
     )
     server = _Server(config)
-    app.state.client.is_shutting_down = lambda: server.should_exit
-    server.end_requests = app.state.client.end_requests
+    client.is_shutting_down = lambda: server.should_exit
+    server.end_requests = client.end_requests
     logging.getLogger("lmengine").info("serving %s on %s:%d", model, args.host, args.port)
     print(
         f"lmengine serve: http://{args.host}:{args.port} (model {settings.model_name})", flush=True
