@@ -97,6 +97,7 @@ TEST_KINDS = {
         "test_tp.py",
         "test_tp_lora.py",
         "test_tp_torchrun.py",
+        "test_tp_uptime.py",
         "test_tp_w8a8.py",
     ],
 }

@@ -1,6 +1,9 @@
 """Days of uptime, against a real `lmengine serve` on the tiny model: slow and hostile clients
 meet their bounds (raw sockets: headers and bodies sent a byte at a time or not at all, a
-stream nobody reads, one connection too many) while /health and a normal request stay fast."""
+stream nobody reads, one connection too many) while /health and a normal request stay fast;
+and the engine loop dying under the server (the test hook LMENGINE_TEST_LOOP_DEATH_AT_STEP)
+ends every request with a 503 within seconds, turns /health to 503 and exits non-zero.
+The dead tensor-parallel worker is tests/test_tp_uptime.py."""
 
 from __future__ import annotations
 
@@ -221,3 +224,65 @@ def test_connection_past_the_bound_gets_503(guarded):
     until(lambda: httpx.get(guarded + "/health").status_code == 200)
     errors = metrics(guarded)
     assert errors['lmengine_http_errors_total{status="503"}'] >= 1
+
+
+# ---- crash-only ---------------------------------------------------------------------------------
+def run_until_the_engine_dies(url: str, kill=None) -> dict:
+    """A stream and a whole request in flight; `kill()` (if given) once both run. Returns
+    what each client saw and when."""
+    seen: dict = {}
+    long = {"prompt": "x", "max_tokens": 900, "temperature": 0, "ignore_eos": True}
+
+    def stream() -> None:
+        events = []
+        with httpx.stream("POST", url + "/v1/completions", json={**long, "stream": True},
+                          timeout=60) as r:  # fmt: skip
+            for line in r.iter_lines():
+                if line:
+                    events.append((time.monotonic(), line))
+        seen["stream"] = events
+
+    def whole() -> None:
+        r = httpx.post(url + "/v1/completions", json=long, timeout=60)
+        seen["whole"] = (time.monotonic(), r.status_code, r.json())
+
+    threads = [threading.Thread(target=stream), threading.Thread(target=whole)]
+    for t in threads:
+        t.start()
+    until(lambda: metrics(url)["lmengine_server_requests_in_flight"] == 2, timeout=30)
+    if kill is not None:
+        kill()
+    for t in threads:
+        t.join(timeout=30)
+        assert not t.is_alive(), "a request hung after the engine died"
+    seen["health"] = httpx.get(url + "/health", timeout=5)
+    return seen
+
+
+def check_crash_answers(seen: dict, proc) -> None:
+    events = seen["stream"]
+    (died, last), (_, done) = events[-2], events[-1]
+    assert done == "data: [DONE]"
+    error = json.loads(last.removeprefix("data: "))["error"]
+    assert error["type"] == "service_unavailable", error
+    assert died - events[-3][0] < 5, "the stream waited long for its error"
+    answered, status, body = seen["whole"]
+    assert status == 503 and body["error"]["type"] == "service_unavailable", body
+    assert abs(answered - died) < 5
+    assert seen["health"].status_code == 503
+    assert proc.wait(timeout=30) == 3, server_output(proc)
+
+
+def test_engine_loop_death_ends_requests_503_and_exits_nonzero(tiny_llama_path, monkeypatch):
+    # the loop dies at its 200th model step: both requests are running by then
+    monkeypatch.setenv("LMENGINE_TEST_LOOP_DEATH_AT_STEP", "200")
+    proc, url = start_server(tiny_llama_path, "--num-threads", "1", "--block-size", "4",
+                             "--num-gpu-blocks", "512")  # fmt: skip
+    try:
+        seen = run_until_the_engine_dies(url)
+        check_crash_answers(seen, proc)
+        assert "LMENGINE_TEST_LOOP_DEATH_AT_STEP" in seen["whole"][2]["error"]["message"]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -24,7 +24,9 @@ from lmengine.serve.metrics import ServerMetrics
 
 logger = logging.getLogger("lmengine.serve")
 
-ENGINE_GONE = ("engine closed", "engine loop died")
+# how the engine's messages begin when it has stopped (closed, its loop died, a
+# tensor-parallel worker died or a broadcast step failed): the request is answered 503
+ENGINE_GONE = ("engine closed", "engine loop died", "tensor-parallel")
 
 
 class ErrorBody(BaseModel):

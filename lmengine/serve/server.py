@@ -3,8 +3,9 @@
 Engine flags come from `EngineConfig` through `lmengine.flags` (one flag per field);
 the server adds its own (host, port, keys, limits, template). SIGTERM shuts down gracefully:
 uvicorn stops accepting, running requests get `--grace-period` seconds to finish, the rest
-are cancelled, the engine is closed and the process exits 0. Slow and hostile clients meet
-the limits of serve/connections.py.
+are cancelled, the engine is closed and the process exits 0. If the engine dies instead, the
+process ends its requests and exits non-zero (serve/supervise.py); slow and hostile clients
+meet the limits of serve/connections.py.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import logging
 import os
 import signal
 import sys
+import time
 
 from lmengine.flags import FlagError, add_model_flags, build_dataclass, model_load_errors
 from lmengine.serve.tools import TOOL_PARSERS
@@ -159,9 +161,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
     from lmengine.config import EngineConfig
     from lmengine.engine.engine import Engine
+    from lmengine.engine.fault_injection import inject_loop_death
     from lmengine.serve.app import ServerSettings, build_app
     from lmengine.serve.connections import ConnectionLimits, guarded_protocol
     from lmengine.serve.limits import too_many_connections
+    from lmengine.serve.supervise import EngineWatch
 
     model = args.model_path or args.model
     engine_config = build_dataclass(EngineConfig, args, SERVE_ENGINE_DEFAULTS)
@@ -203,6 +207,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     limits = ConnectionLimits(args.header_timeout, args.max_connections, args.stream_write_timeout)
     with model_load_errors(model, engine_config):
         engine = Engine.from_pretrained(model, engine_config)
+    inject_loop_death(engine)
     app = build_app(engine, settings)
     client = app.state.client
     config = uvicorn.Config(
@@ -218,12 +223,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
     server = _Server(config)
     client.is_shutting_down = lambda: server.should_exit
     server.end_requests = client.end_requests
+    server.watch = EngineWatch(engine, client.end_requests)
     logging.getLogger("lmengine").info("serving %s on %s:%d", model, args.host, args.port)
     print(
         f"lmengine serve: http://{args.host}:{args.port} (model {settings.model_name})", flush=True
     )
     server.run()
     engine.close()
+    if server.exit_code:  # crash-only: no interpreter teardown (~2 s with torch) to wait for
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(server.exit_code)
     return 0
 
 
@@ -232,9 +242,33 @@ def _make_server_class():
 
     class Server(uvicorn.Server):
         """uvicorn's server, except that SIGTERM ends the process with 0 after the graceful
-        shutdown (uvicorn re-raises the signal, which would kill it with -15)."""
+        shutdown (uvicorn re-raises the signal, which would kill it with -15), and that the
+        death of the engine ends it with EXIT_ENGINE_FAILED (`watch`, crash-only)."""
 
         end_requests = staticmethod(lambda reason: None)  # the app's: ends every request
+        watch = None  # an EngineWatch, checked on every tick
+        exit_code = 0
+        crashed_at: float | None = None  # when the engine was found dead (time.monotonic())
+
+        async def on_tick(self, counter: int) -> bool:
+            if not self.should_exit and self.watch is not None:
+                self._crash_only()
+            return await super().on_tick(counter)
+
+        def _crash_only(self) -> None:
+            """Once the engine is dead: answer 503 (its requests ended, /health too) for
+            CRASH_LINGER_S, then shut down briefly and exit with EXIT_ENGINE_FAILED."""
+            from lmengine.serve.supervise import CRASH_GRACE_S, CRASH_LINGER_S, EXIT_ENGINE_FAILED
+
+            now = time.monotonic()
+            if self.crashed_at is None:
+                if self.watch.check() is not None:
+                    self.crashed_at, self.exit_code = now, EXIT_ENGINE_FAILED
+            elif now > self.crashed_at + CRASH_LINGER_S:
+                grace = self.config.timeout_graceful_shutdown
+                if grace is None or grace > CRASH_GRACE_S:
+                    self.config.timeout_graceful_shutdown = CRASH_GRACE_S
+                self.should_exit = True
 
         async def shutdown(self, sockets=None) -> None:
             """uvicorn's graceful shutdown; shortly before the grace period ends (when uvicorn
