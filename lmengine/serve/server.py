@@ -217,8 +217,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         log_level=args.log_level,
         timeout_graceful_shutdown=args.grace_period,
         access_log=False,
-        # NOTE: h11, whatever else is installed: the limits are built on its protocol
+        # NOTE: h11, whatever else is installed: the limits are built on its protocol. No
+        # WebSocket (no route has one): an upgraded connection would leave the protocol, its
+        # timers and its count behind
         http=guarded_protocol(limits, too_many_connections(limits.max_connections, client.metrics)),
+        ws="none",
     )
     server = _Server(config)
     client.is_shutting_down = lambda: server.should_exit
