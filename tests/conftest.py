@@ -92,8 +92,15 @@ TEST_KINDS = {
         "test_server_strict.py",
         "test_server_structured.py",
         "test_server_tools.py",
+        "test_server_uptime.py",
     ],
-    "tp": ["test_tp.py", "test_tp_lora.py", "test_tp_torchrun.py", "test_tp_w8a8.py"],
+    "tp": [
+        "test_tp.py",
+        "test_tp_lora.py",
+        "test_tp_torchrun.py",
+        "test_tp_uptime.py",
+        "test_tp_w8a8.py",
+    ],
 }
 _KIND_OF_FILE = {name: kind for kind, names in TEST_KINDS.items() for name in names}
 

@@ -73,6 +73,12 @@ class Client:
             if not finished:
                 self.cancel(req.request_id)
 
+    @property
+    def closed_reason(self) -> str | None:
+        """Why the engine takes no more requests (None while it does): "engine closed", or
+        the failure that stopped it."""
+        return self._engine.request_manager.closed_reason
+
     def cancel(self, request_id: int) -> None:
         """Stop the request; its last delta says "cancel". Nothing happens to one that ended."""
         self._engine.request_manager.submit(CancelRequest(request_id))

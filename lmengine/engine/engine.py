@@ -269,7 +269,10 @@ class Engine(LoraAdmin):
 
     @property
     def is_alive(self) -> bool:
-        return self._thread.is_alive()
+        """The loop runs and nothing has stopped it. NOTE: false as soon as a failure stops
+        it (a dead tensor-parallel worker, the loop's death), while the thread may still be
+        tearing down (a process group can take long to destroy)."""
+        return self._thread.is_alive() and not self._stop.is_set()
 
     def call(self, fn, timeout: float | None = 60.0):
         """Run `fn()` on the loop thread between steps and return its result."""
@@ -346,6 +349,7 @@ class Engine(LoraAdmin):
         except BaseException as e:  # NOTE: any death of the loop must reach every caller
             logger.error("engine loop died:\n%s", traceback.format_exc())
             self._stop_reason = f"engine loop died: {type(e).__name__}: {e}"
+            self._stop.set()  # is_alive is false from here on
         finally:
             self.request_manager.close(self._stop_reason)  # refuses new ones, answers the inbox
             for record in self.requests.values():  # NOTE: no scheduler call: it may be broken

@@ -52,7 +52,12 @@ def build_app(engine, settings: ServerSettings) -> FastAPI:
     app.state.client = client
     app.openapi = lambda: _openapi(app, engine.info.vocab_size)
     install_error_handlers(app, client.metrics)
-    app.add_middleware(BodyLimit, limit=settings.max_body_bytes, metrics=client.metrics)
+    app.add_middleware(
+        BodyLimit,
+        limit=settings.max_body_bytes,
+        metrics=client.metrics,
+        timeout=settings.body_timeout,
+    )
     # NOTE: this order is the order of the paths in the OpenAPI document
     app.include_router(health_router(client))
     app.include_router(openai_router(client))

@@ -24,7 +24,9 @@ from lmengine.serve.metrics import ServerMetrics
 
 logger = logging.getLogger("lmengine.serve")
 
-ENGINE_GONE = ("engine closed", "engine loop died")
+# how the engine's messages begin when it has stopped (closed, its loop died, a
+# tensor-parallel worker died or a broadcast step failed): the request is answered 503
+ENGINE_GONE = ("engine closed", "engine loop died", "tensor-parallel")
 
 
 class ErrorBody(BaseModel):
@@ -80,11 +82,12 @@ ERROR_MEANINGS = {
     401: "missing or wrong API key",
     403: "not allowed by the server's configuration (the message names the rule)",
     404: "unknown model or adapter",
+    408: "headers or body too slow (--header-timeout, --body-timeout)",
     413: "request body too large",
     429: "too many queued requests (see Retry-After)",
     499: "request cancelled",
     500: "the step running the request failed",
-    503: "the engine is not running, or the server is shutting down",
+    503: "the engine is not running, the server is shutting down, or too many connections",
     504: "the request timed out (--request-timeout)",
 }
 # a generation's answer: JSON, or server-sent events when streamed; and its errors

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from lmengine.config import GenerationConfig
 from lmengine.engine.client import Client
 from lmengine.engine.request import AddRequest, Answer, Response
-from lmengine.serve.errors import APIError, engine_error
+from lmengine.serve.errors import ENGINE_GONE, APIError, engine_error
 from lmengine.serve.metrics import ServerMetrics
 
 
@@ -216,6 +216,8 @@ class Job:
             return APIError(
                 503, "the server shut down before the request finished", "service_unavailable"
             )
+        if self.cancel_reason is not None and self.cancel_reason.startswith(ENGINE_GONE):
+            return engine_error(self.cancel_reason)  # the engine died: 503
         return None
 
     async def responses(self) -> AsyncIterator[tuple[int, Response]]:

@@ -1,8 +1,11 @@
-"""The request body limit: a body larger than `--max-body-mb` is answered 413 before it is
-parsed (from its Content-Length, or as soon as a chunked body passes the limit)."""
+"""The request body's limits: a body larger than `--max-body-mb` is answered 413 before it is
+parsed (from its Content-Length, or as soon as a chunked body passes the limit); one that has
+not arrived whole `--body-timeout` seconds after the headers is answered 408. And the answer
+to a connection past `--max-connections` (`too_many_connections`, see connections.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from starlette.responses import JSONResponse
@@ -19,42 +22,81 @@ def too_large(limit: int) -> APIError:
     )
 
 
-class BodyLimit:
-    """ASGI middleware: 413 for an HTTP request body of more than `limit` bytes."""
+def body_timed_out(timeout: float) -> APIError:
+    return APIError(
+        408,
+        f"the request body did not arrive within {timeout:g} s of its headers",
+        code="request_timeout",
+        headers={"Connection": "close"},
+    )
 
-    def __init__(self, app, limit: int, metrics: ServerMetrics) -> None:
-        self.app, self.limit, self.metrics = app, limit, metrics
+
+def too_many_connections(limit: int, metrics: ServerMetrics):
+    """The ASGI app answering a connection past `--max-connections`: 503, Retry-After, and
+    the connection closed."""
+    err = APIError(
+        503,
+        f"the server has too many open connections (limit {limit}): retry later",
+        "service_unavailable",
+        "too_many_connections",
+        headers={"Retry-After": "1", "Connection": "close"},
+    )
+
+    async def refuse(scope, receive, send) -> None:
+        metrics.count_error(err.status)
+        body = error_body(err, scope.get("path", ""))
+        await JSONResponse(body, status_code=err.status, headers=err.headers)(scope, receive, send)
+
+    return refuse
+
+
+class BodyLimit:
+    """ASGI middleware: 413 for an HTTP request body of more than `limit` bytes, 408 for one
+    not read whole within `timeout` seconds (0: no limit, no timeout)."""
+
+    def __init__(self, app, limit: int, metrics: ServerMetrics, timeout: float = 0.0) -> None:
+        self.app, self.limit, self.metrics, self.timeout = app, limit, metrics, timeout
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http":  # where a request's time starts (`received_at`)
             scope.setdefault("state", {})["received"] = time.monotonic()
-        if scope["type"] != "http" or self.limit <= 0:
+        if scope["type"] != "http" or (self.limit <= 0 and self.timeout <= 0):
             return await self.app(scope, receive, send)
         declared = dict(scope.get("headers") or []).get(b"content-length")
         if declared is not None and declared.isdigit():
-            if int(declared) > self.limit:
-                return await self._refuse(scope, receive, send)
-            return await self.app(scope, receive, send)
-        # NOTE: no length given (chunked): the body is read here, up to the limit, then
-        # handed on as one message (the route would read it whole anyway)
+            if 0 < self.limit < int(declared):
+                return await self._refuse(too_large(self.limit), scope, receive, send)
+            if self.timeout <= 0:
+                return await self.app(scope, receive, send)
+        # NOTE: the body is read here (up to the limit, before the deadline), then handed on
+        # as one message: every route reads it whole anyway, and none starts on half a body
+        try:
+            message = await asyncio.wait_for(self._read(receive), self.timeout or None)
+        except asyncio.TimeoutError:
+            return await self._refuse(body_timed_out(self.timeout), scope, receive, send)
+        if message is None:
+            return await self._refuse(too_large(self.limit), scope, receive, send)
+        await self.app(scope, _replay([message], receive), send)
+
+    async def _read(self, receive) -> dict | None:
+        """The whole body as one message (or the disconnect that cut it); None past the
+        limit."""
         chunks, size, more = [], 0, True
         while more:
             message = await receive()
             if message["type"] != "http.request":  # the client left
-                return await self.app(scope, _replay([message]), send)
+                return message
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
-            if size > self.limit:
-                return await self._refuse(scope, receive, send)
+            if 0 < self.limit < size:
+                return None
             more = message.get("more_body", False)
-        body = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
-        await self.app(scope, _replay([body], receive), send)
+        return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
 
-    async def _refuse(self, scope, receive, send) -> None:
-        err = too_large(self.limit)
+    async def _refuse(self, err: APIError, scope, receive, send) -> None:
         self.metrics.count_error(err.status)
         body = error_body(err, scope.get("path", ""))  # in the shape of the path's API
-        await JSONResponse(body, status_code=err.status)(scope, receive, send)
+        await JSONResponse(body, status_code=err.status, headers=err.headers)(scope, receive, send)
 
 
 def received_at(request) -> float | None:

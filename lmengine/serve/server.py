@@ -3,7 +3,9 @@
 Engine flags come from `EngineConfig` through `lmengine.flags` (one flag per field);
 the server adds its own (host, port, keys, limits, template). SIGTERM shuts down gracefully:
 uvicorn stops accepting, running requests get `--grace-period` seconds to finish, the rest
-are cancelled, the engine is closed and the process exits 0.
+are cancelled, the engine is closed and the process exits 0. If the engine dies instead, the
+process ends its requests and exits non-zero (serve/supervise.py); slow and hostile clients
+meet the limits of serve/connections.py.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import logging
 import os
 import signal
 import sys
+import time
 
 from lmengine.flags import FlagError, add_model_flags, build_dataclass, model_load_errors
 from lmengine.serve.tools import TOOL_PARSERS
@@ -118,6 +121,36 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
         "starts is constrained to the tools' schemas, so it always parses)",
     )
     g.add_argument(
+        "--header-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a request's headers may take from its first byte (a new connection's "
+        "first request: from the connection's opening); slower ones are answered 408 and "
+        "the connection closed (default: 10; 0: none)",
+    )
+    g.add_argument(
+        "--body-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a request's whole body may take to arrive after its headers, else 408 "
+        "and the connection closed (default: 30, a 4 MiB body at 1.1 Mbit/s; 0: none)",
+    )
+    g.add_argument(
+        "--max-connections",
+        type=int,
+        default=1024,
+        help="open connections beyond which a new connection's request is answered 503 with "
+        "Retry-After and the connection closed (default: 1024; 0: no limit)",
+    )
+    g.add_argument(
+        "--stream-write-timeout",
+        type=float,
+        default=60.0,
+        help="seconds an answer (a stream) may wait on a client that reads nothing once the "
+        "socket's buffers are full; then the connection is dropped and the request "
+        "cancelled, its KV blocks freed (default: 60; 0: none)",
+    )
+    g.add_argument(
         "--grace-period",
         type=float,
         default=30.0,
@@ -142,7 +175,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
     from lmengine.config import EngineConfig
     from lmengine.engine.engine import Engine
+    from lmengine.engine.fault_injection import inject_loop_death
     from lmengine.serve.app import ServerSettings, build_app
+    from lmengine.serve.connections import ConnectionLimits, guarded_protocol
+    from lmengine.serve.limits import too_many_connections
+    from lmengine.serve.supervise import EngineWatch
 
     model = args.model_path or args.model
     engine_config = build_dataclass(EngineConfig, args, SERVE_ENGINE_DEFAULTS)
@@ -154,8 +191,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-queued-requests must be >= 0, got {args.max_queued_requests}")
     if args.max_body_mb < 0:
         raise ValueError(f"--max-body-mb must be >= 0, got {args.max_body_mb}")
-    if args.request_timeout < 0:
-        raise ValueError(f"--request-timeout must be >= 0, got {args.request_timeout}")
+    for flag in ("request_timeout", "header_timeout", "body_timeout", "max_connections",
+                 "stream_write_timeout"):  # fmt: skip
+        if getattr(args, flag) < 0:
+            name = "--" + flag.replace("_", "-")
+            raise ValueError(f"{name} must be >= 0 (0: none), got {getattr(args, flag)}")
     lora_root = None
     if args.lora_root is not None:
         if not args.enable_lora_updates:
@@ -174,14 +214,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
         tool_call_parser=args.tool_call_parser,
         auto_tool_constraint=args.auto_tool_constraint,
         max_body_bytes=int(args.max_body_mb * (1 << 20)),
+        body_timeout=args.body_timeout,
         qos_enabled=engine_config.qos_config_path is not None,
         enable_lora_updates=args.enable_lora_updates,
         lora_root=lora_root,
         embedding_pooling=args.embedding_pooling,
     )
+    limits = ConnectionLimits(args.header_timeout, args.max_connections, args.stream_write_timeout)
     with model_load_errors(model, engine_config):
         engine = Engine.from_pretrained(model, engine_config)
+    inject_loop_death(engine)
     app = build_app(engine, settings)
+    client = app.state.client
     config = uvicorn.Config(
         app,
         host=args.host,
@@ -189,16 +233,26 @@ def cmd_serve(args: argparse.Namespace) -> int:
         log_level=args.log_level,
         timeout_graceful_shutdown=args.grace_period,
         access_log=False,
+        # NOTE: h11, whatever else is installed: the limits are built on its protocol. No
+        # WebSocket (no route has one): an upgraded connection would leave the protocol, its
+        # timers and its count behind
+        http=guarded_protocol(limits, too_many_connections(limits.max_connections, client.metrics)),
+        ws="none",
     )
     server = _Server(config)
-    app.state.client.is_shutting_down = lambda: server.should_exit
-    server.end_requests = app.state.client.end_requests
+    client.is_shutting_down = lambda: server.should_exit
+    server.end_requests = client.end_requests
+    server.watch = EngineWatch(engine, client.end_requests)
     logging.getLogger("lmengine").info("serving %s on %s:%d", model, args.host, args.port)
     print(
         f"lmengine serve: http://{args.host}:{args.port} (model {settings.model_name})", flush=True
     )
     server.run()
     engine.close()
+    if server.exit_code:  # crash-only: no interpreter teardown (~2 s with torch) to wait for
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(server.exit_code)
     return 0
 
 
@@ -207,9 +261,33 @@ def _make_server_class():
 
     class Server(uvicorn.Server):
         """uvicorn's server, except that SIGTERM ends the process with 0 after the graceful
-        shutdown (uvicorn re-raises the signal, which would kill it with -15)."""
+        shutdown (uvicorn re-raises the signal, which would kill it with -15), and that the
+        death of the engine ends it with EXIT_ENGINE_FAILED (`watch`, crash-only)."""
 
         end_requests = staticmethod(lambda reason: None)  # the app's: ends every request
+        watch = None  # an EngineWatch, checked on every tick
+        exit_code = 0
+        crashed_at: float | None = None  # when the engine was found dead (time.monotonic())
+
+        async def on_tick(self, counter: int) -> bool:
+            if not self.should_exit and self.watch is not None:
+                self._crash_only()
+            return await super().on_tick(counter)
+
+        def _crash_only(self) -> None:
+            """Once the engine is dead: answer 503 (its requests ended, /health too) for
+            CRASH_LINGER_S, then shut down briefly and exit with EXIT_ENGINE_FAILED."""
+            from lmengine.serve.supervise import CRASH_GRACE_S, CRASH_LINGER_S, EXIT_ENGINE_FAILED
+
+            now = time.monotonic()
+            if self.crashed_at is None:
+                if self.watch.check() is not None:
+                    self.crashed_at, self.exit_code = now, EXIT_ENGINE_FAILED
+            elif now > self.crashed_at + CRASH_LINGER_S:
+                grace = self.config.timeout_graceful_shutdown
+                if grace is None or grace > CRASH_GRACE_S:
+                    self.config.timeout_graceful_shutdown = CRASH_GRACE_S
+                self.should_exit = True
 
         async def shutdown(self, sockets=None) -> None:
             """uvicorn's graceful shutdown; shortly before the grace period ends (when uvicorn

@@ -25,6 +25,7 @@ class ServerSettings:
     auto_tool_constraint: bool = True  # under tool_choice=auto, a call that starts parses
     qos_enabled: bool = False
     max_body_bytes: int = 4 << 20  # larger request bodies are answered 413; 0: no limit
+    body_timeout: float = 30.0  # seconds from the headers to the body's end, else 408; 0: none
     enable_lora_updates: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter
     lora_root: str | None = None  # a resolved folder: runtime loads only from inside it
     embedding_pooling: str = "last"  # /v1/embeddings: "last" token or "mean" over the input
