@@ -11,10 +11,12 @@ refused.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -249,13 +251,6 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
     """Dequantize a GGUF checkpoint once into a float32 safetensors folder; return the folder.
     Raises ValueError for a file that cannot be expanded (`check_gguf_file`), and for one whose
     tensors do not fill every weight of the model."""
-    from transformers import (
-        AutoConfig,
-        AutoModelForCausalLM,
-        AutoTokenizer,
-        PreTrainedTokenizerFast,
-    )
-
     from lmengine.engine.gguf_blocks import gguf_field
 
     gguf_path = Path(gguf_path).resolve()
@@ -266,6 +261,43 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
     arch = gguf_field(reader, "general.architecture")
     logger.info("converting %s to safetensors in %s (once)", gguf_path, out_dir)
     folder, name = str(gguf_path.parent), gguf_path.name
+    with _reader_reused(gguf_path, reader):
+        model, tokenizer = _expand(reader, arch, gguf_path, folder, name)
+    _save_expanded(model, tokenizer, out_dir)
+    return out_dir
+
+
+@contextlib.contextmanager
+def _reader_reused(path: Path, reader) -> Iterator[None]:
+    """transformers opens the file once for the tokenizer, once for the config and once for
+    the weights, and each `GGUFReader` parses every metadata field again (~5 s for a 49k
+    vocabulary): while converting, opening `path` gives back the reader already open."""
+    import gguf
+
+    opened = gguf.GGUFReader
+
+    def reuse(file, *args, **kwargs):
+        if not args and not kwargs and Path(file).resolve() == path:
+            return reader
+        return opened(file, *args, **kwargs)
+
+    # NOTE: transformers imports the name from the module when it opens a file
+    setattr(gguf, "GGUFReader", reuse)  # noqa: B010 - a class replaced by a function
+    try:
+        yield
+    finally:
+        setattr(gguf, "GGUFReader", opened)  # noqa: B010
+
+
+def _expand(reader, arch: str, gguf_path: Path, folder: str, name: str):
+    """The file's model in float32 and its tokenizer; ValueError when weights stay unfilled."""
+    from transformers import (
+        AutoConfig,
+        AutoModelForCausalLM,
+        AutoTokenizer,
+        PreTrainedTokenizerFast,
+    )
+
     if arch in ("gpt-oss", "deepseek2"):
         from lmengine.engine.gguf_deepseek2 import load_deepseek2
 
@@ -297,6 +329,11 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
             f"({', '.join(names[:4])}{', ...' if len(names) > 4 else ''}): load the model's "
             "safetensors checkpoint instead"
         )
+    return model, tokenizer
+
+
+def _save_expanded(model, tokenizer, out_dir: Path) -> None:
+    """Save the expanded model and tokenizer as `out_dir`, atomically (a rename)."""
     # NOTE: the weights are dequantized now; drop the GGUF marker so the folder saves and
     # loads as an ordinary float checkpoint.
     model.hf_quantizer = None
@@ -313,4 +350,3 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
             raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return out_dir

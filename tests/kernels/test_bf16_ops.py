@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from lmengine.kernels import paged_attention
 from lmengine.kernels.activation import silu_mul, silu_mul_ref
 from lmengine.kernels.fill_kv_cache import fill_kv_cache, rotary_fill_kv_cpu
-from lmengine.kernels.linear import linear, pack_weight
+from lmengine.kernels.linear import _onednn_bf16, linear, pack_weight
 from lmengine.kernels.paged_attention import paged_attention_ref
 from lmengine.kernels.rms_norm import add_rms_norm_ref, rms_norm_cpu, rms_norm_ref
 from lmengine.kernels.rotary import apply_rotary_ref
@@ -68,7 +68,8 @@ def test_bf16_linear_paths_match_f_linear(rows, in_features, with_bias, gemm, mo
     bias = torch.randn(70, generator=gen).to(BF16) if with_bias else None
     x = torch.randn(rows, in_features, generator=gen).to(BF16)
     packed = pack_weight(weight)
-    assert packed is not None, "bfloat16 weights are packed (VNNI blocks or oneDNN's layout)"
+    # VNNI blocks or oneDNN's layout; none where oneDNN has no bfloat16 path (AVX2 only)
+    assert packed is not None or not _onednn_bf16(), "bfloat16 weights are packed"
     out = linear(x, weight, bias, packed)
     assert out.dtype == BF16 and out.shape == (rows, 70)
     expected = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
@@ -113,6 +114,8 @@ def test_bf16_tile_gemm_rejects_what_it_cannot_run(ext):
 
 
 def test_bf16_weights_pack_for_the_tile_gemm_when_asked(ext, monkeypatch):
+    if not _onednn_bf16():
+        pytest.skip("oneDNN has no bfloat16 path on this CPU (AVX2 only)")
     weight = torch.randn(70, 64).to(BF16)
     assert pack_weight(weight).dim() != 1  # oneDNN's packed layout by default
     monkeypatch.setenv("LMENGINE_BF16_GEMM", "tiles")
@@ -129,12 +132,14 @@ def test_bf16_rms_norm_matches_reference(ext, rows, hidden, threads):
     weight = (1 + torch.randn(hidden, generator=gen) * 0.1).to(BF16)
     out, summed = rms_norm_cpu(x, weight, 1e-5)
     assert summed is None
-    # the same roundings as the reference; the sum of squares adds in another order
-    assert ulps_apart(out, rms_norm_ref(x, weight, 1e-5)) <= 1
+    # the same roundings as the reference; the sum of squares adds in another order, which
+    # moves the normalised row by 1 ulp at most, and the product by weight rounds once more
+    # (2 ulps seen on AMD Zen 3's AVX2 path, 1 with AVX-512)
+    assert ulps_apart(out, rms_norm_ref(x, weight, 1e-5)) <= 2
     out, summed = rms_norm_cpu(x, weight, 1e-5, residual)
     ref_out, ref_summed = add_rms_norm_ref(x, residual, weight, 1e-5)
     assert torch.equal(summed, ref_summed)
-    assert ulps_apart(out, ref_out) <= 1
+    assert ulps_apart(out, ref_out) <= 2
     assert out.dtype == BF16
 
 
