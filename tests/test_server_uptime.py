@@ -230,17 +230,16 @@ def test_connection_past_the_bound_gets_503(guarded):
 def run_until_the_engine_dies(url: str, kill=None) -> dict:
     """A stream and a whole request in flight; `kill()` (if given) once both run. Returns
     what each client saw and when."""
-    seen: dict = {}
+    events: list = []
+    seen: dict = {"stream": events}
     long = {"prompt": "x", "max_tokens": 900, "temperature": 0, "ignore_eos": True}
 
     def stream() -> None:
-        events = []
         with httpx.stream("POST", url + "/v1/completions", json={**long, "stream": True},
                           timeout=60) as r:  # fmt: skip
             for line in r.iter_lines():
                 if line:
                     events.append((time.monotonic(), line))
-        seen["stream"] = events
 
     def whole() -> None:
         r = httpx.post(url + "/v1/completions", json=long, timeout=60)
@@ -249,6 +248,9 @@ def run_until_the_engine_dies(url: str, kill=None) -> dict:
     threads = [threading.Thread(target=stream), threading.Thread(target=whole)]
     for t in threads:
         t.start()
+    # NOTE: the stream has its first tokens (before them, a failure is a status, not an
+    # error event)
+    until(lambda: len(events) >= 2, timeout=30)
     until(lambda: metrics(url)["lmengine_server_requests_in_flight"] == 2, timeout=30)
     if kill is not None:
         kill()
