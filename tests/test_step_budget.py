@@ -11,6 +11,7 @@ import statistics
 
 from lmengine.scheduler import BlockManager, Scheduler, get_policy
 from lmengine.scheduler.budget import MIN_PREFILL_CHUNK, StepBudget
+from lmengine.scheduler.output import ScheduledSequence, SchedulerOutput
 from lmengine.scheduler.step_cost import StepCostModel, step_features
 from tests.test_scheduler import make_seq
 
@@ -128,11 +129,16 @@ def test_a_long_prompt_progresses_every_step_while_short_ones_arrive():
 
 
 def test_no_target_or_no_model_keeps_the_token_budget():
+    decoding = [make_seq(i, 10) for i in range(4)]
+    for seq in decoding:
+        seq.num_computed_tokens = 9  # one token left: a decode
+    prompt = ScheduledSequence(make_seq(9, 10), 0, 10, True)
     budget = StepBudget(1024)
-    budget.begin([(10, 1)] * 4)
-    assert budget.chunk(0, 5000) == 1024 and budget.predict([(0, 10)]) is None
+    budget.begin(decoding)
+    assert budget.chunk(0, 5000) == 1024
+    assert budget.predict(SchedulerOutput(scheduled=[prompt])) is None
     budget = StepBudget(1024, max_step_s=0.05)  # a target, nothing learned yet
-    budget.begin([(10, 1)] * 4)
+    budget.begin(decoding)
     assert budget.chunk(0, 5000) == 1024
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import math
 
+from lmengine.scheduler.output import SchedulerOutput
+from lmengine.scheduler.sequence import Sequence
 from lmengine.scheduler.step_cost import StepCostModel
 
 # NOTE: a prompt's first token comes with the step that computes its last chunk. Cutting a step
@@ -49,10 +51,13 @@ class StepBudget:
     def timed(self) -> bool:
         return bool(self.max_step_s) and self.cost.ready
 
-    def begin(self, decodes: list[tuple[int, int]]) -> None:
-        """A new step whose running decodes are these (start_pos, 1) chunks."""
+    def begin(self, running: list[Sequence]) -> None:
+        """A new step after these running sequences (their decodes are predicted first)."""
         self.tokens_left, self.num_chunks = self.max_tokens, 0
-        self.seconds_left = self.max_step_s - self.cost.predict(decodes) if self.timed else math.inf
+        self.seconds_left = math.inf
+        if self.timed:  # NOTE: nothing to predict, so nothing built, without a target
+            decodes = [(s.num_computed_tokens, 1) for s in running if s.num_uncomputed == 1]
+            self.seconds_left = self.max_step_s - self.cost.predict(decodes)
 
     def chunk(self, start: int, num_new: int) -> int:
         """Tokens a sequence with `num_new` not computed after `start` computes this step: 1
@@ -76,11 +81,12 @@ class StepBudget:
         if self.seconds_left != math.inf:
             self.seconds_left -= sign * self.cost.chunk_seconds(start, num_new)
 
-    def predict(self, items: list[tuple[int, int]]) -> float | None:
-        """Predicted seconds of a step of these (start_pos, num_new) chunks, when timed."""
-        return self.cost.predict(items) if self.timed else None
+    def predict(self, out: SchedulerOutput) -> float | None:
+        """Predicted seconds of the step `out`, when timed."""
+        return self.cost.predict(out.chunks) if self.timed else None
 
-    def observe(self, items: list[tuple[int, int]], seconds: float) -> None:
-        """Learn from a step that ran these chunks in `seconds` (only with a target)."""
+    def observe(self, out: SchedulerOutput, seconds: float) -> None:
+        """Learn from a step that ran `out` in `seconds` (only with a target: the step's
+        chunks are not even listed without one)."""
         if self.max_step_s:
-            self.cost.observe(items, seconds)
+            self.cost.observe(out.chunks, seconds)

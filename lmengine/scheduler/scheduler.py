@@ -143,8 +143,7 @@ class Scheduler:
         now = self.clock()
         out = SchedulerOutput(finished_seq_ids=self._finished_seq_ids)
         self._finished_seq_ids = []
-        decodes = [(s.num_computed_tokens, 1) for s in self.running if s.num_uncomputed == 1]
-        self.budget.begin(decodes)
+        self.budget.begin(self.running)
         bm = self.block_manager
         # last step's forks: their partial blocks are copied before anything else moves
         for src, dst, child in self._pending_copies:
@@ -185,7 +184,7 @@ class Scheduler:
             self._unpark_one(out, now)
         if self.adapter_manager is not None:
             out.adapter_plan = self.adapter_manager.plan(it.seq.adapter_id for it in out.scheduled)
-        out.predicted_seconds = self.budget.predict(out.chunks)
+        out.predicted_seconds = self.budget.predict(out)
         return out
 
     def _num_new_tokens(self, seq: Sequence) -> int:
@@ -411,7 +410,7 @@ class Scheduler:
         """The engine ran `out` in `seconds`: the step cost model learns from it (steps that
         also moved blocks between pools cost what the model does not describe: skipped)."""
         if out.scheduled and not (out.blocks_to_swap_in or out.blocks_to_swap_out):
-            self.budget.observe(out.chunks, seconds)
+            self.budget.observe(out, seconds)
 
     def update(
         self,
