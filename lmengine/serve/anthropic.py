@@ -25,6 +25,7 @@ from lmengine.engine.request import Response
 from lmengine.serve.anthropic_protocol import CountTokensRequest, MessagesRequest
 from lmengine.serve.chat import chat_prompt, submit_chat
 from lmengine.serve.client import ServerContext
+from lmengine.serve.convert import assistant_turn
 from lmengine.serve.errors import APIError, generation_error
 from lmengine.serve.jobs import Job
 from lmengine.serve.protocol import ChatCompletionRequest
@@ -45,15 +46,8 @@ def _assistant(message) -> dict:
     if isinstance(message.content, str):
         return {"role": "assistant", "content": message.content}
     text = "".join(b.text for b in message.content if b.type == "text")
-    calls = [
-        {"id": b.id, "type": "function",
-         "function": {"name": b.name, "arguments": json.dumps(b.input)}}
-        for b in message.content if b.type == "tool_use"
-    ]  # fmt: skip
-    chat: dict = {"role": "assistant", "content": text or (None if calls else "")}
-    if calls:
-        chat["tool_calls"] = calls
-    return chat
+    calls = [(b.id, b.name, json.dumps(b.input)) for b in message.content if b.type == "tool_use"]
+    return assistant_turn(text, calls)
 
 
 def _user(message) -> list[dict]:

@@ -18,6 +18,18 @@ def text_of(message: ChatMessage) -> str:
     return "".join(part.text for part in message.content)
 
 
+def assistant_turn(text: str, calls: list[tuple[str, str, str]]) -> dict:
+    """An earlier assistant turn as a chat message: its `text` and its tool `calls` (id,
+    function name, arguments as JSON text); a turn of calls alone has no content."""
+    message: dict = {"role": "assistant", "content": text or (None if calls else "")}
+    if calls:
+        message["tool_calls"] = [
+            {"id": i, "type": "function", "function": {"name": name, "arguments": arguments}}
+            for i, name, arguments in calls
+        ]
+    return message
+
+
 def stop_words(stop: str | list[str] | None) -> list[str] | None:
     """OpenAI's `stop` (a string or a list) as the engine's list; None when empty."""
     words = [stop] if isinstance(stop, str) else list(stop or [])  # at most 16: StopStrings

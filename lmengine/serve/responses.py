@@ -23,6 +23,7 @@ from fastapi.responses import StreamingResponse
 
 from lmengine.serve.chat import submit_chat
 from lmengine.serve.client import ServerContext
+from lmengine.serve.convert import assistant_turn
 from lmengine.serve.errors import APIError, generation_error
 from lmengine.serve.jobs import Job
 from lmengine.serve.protocol import ChatCompletionRequest
@@ -74,13 +75,12 @@ def input_messages(body: ResponsesRequest) -> list[dict]:
         if item.type == "message":
             messages.append({"role": item.role, "content": _text_of(item.content)})
         elif item.type == "function_call":
-            call = {"id": item.call_id, "type": "function",
-                    "function": {"name": item.name, "arguments": item.arguments}}  # fmt: skip
+            turn = assistant_turn("", [(item.call_id, item.name, item.arguments)])
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant" and "tool_calls" in last:
-                last["tool_calls"].append(call)  # parallel calls: one assistant turn
+                last["tool_calls"] += turn["tool_calls"]  # parallel calls: one assistant turn
             else:
-                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                messages.append(turn)
         elif item.type == "function_call_output":
             messages.append(
                 {"role": "tool", "tool_call_id": item.call_id, "content": _text_of(item.output)}
@@ -251,15 +251,9 @@ def _as_message(output: list[dict]) -> dict:
     """A response's output items as one assistant chat message (for the next turn)."""
     text = "".join(p["text"] for item in output if item["type"] == "message"
                    for p in item["content"])  # fmt: skip
-    calls = [
-        {"id": item["call_id"], "type": "function",
-         "function": {"name": item["name"], "arguments": item["arguments"]}}
-        for item in output if item["type"] == "function_call"
-    ]  # fmt: skip
-    message: dict = {"role": "assistant", "content": text or (None if calls else "")}
-    if calls:
-        message["tool_calls"] = calls
-    return message
+    calls = [(item["call_id"], item["name"], item["arguments"])
+             for item in output if item["type"] == "function_call"]  # fmt: skip
+    return assistant_turn(text, calls)
 
 
 class ResponseEvents:
