@@ -29,6 +29,7 @@ TEST_KINDS = {
     "unit": [
         "test_adapter_manager.py",
         "test_bench.py",
+        "test_bounds.py",
         "test_config_and_patch.py",
         "test_detokenize.py",
         "test_gguf_blocks.py",

@@ -309,6 +309,8 @@ class Engine(LoraAdmin):
                 # names, as vLLM's lora_requests_info labels them (read by inference gateways)
                 stats["running_adapters"] = _adapter_names(sched.running)
                 stats["waiting_adapters"] = _adapter_names([*sched.waiting, *sched.swapped])
+            if self._grammar_compiler is not None:
+                stats["grammar_cache_bytes"] = self._grammar_compiler.cache_bytes()
             speculative = self.model_agent.speculative_stats()
             if speculative is not None:
                 stats["speculative"] = speculative

@@ -72,9 +72,15 @@ def choice_grammar(choices: Sequence[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(c) for c in choices)
 
 
+# xgrammar's cache of compiled grammars keeps one entry per distinct schema, regex or grammar,
+# and its default has no limit: a client sending ever new schemas would grow it without end.
+# Past this many bytes xgrammar drops the least recently used (a schema compiles again).
+GRAMMAR_CACHE_BYTES = 64 << 20
+
+
 class GrammarCompiler:
     """Compiles `structured_outputs` specs for one tokenizer and vocabulary (xgrammar's
-    compiler and its cache). Any thread."""
+    compiler and its cache, bounded at GRAMMAR_CACHE_BYTES). Any thread."""
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: Sequence[int]) -> None:
         import xgrammar as xgr
@@ -82,7 +88,13 @@ class GrammarCompiler:
         info = xgr.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids)
         )
-        self._compiler = xgr.GrammarCompiler(info, max_threads=2)
+        self._compiler = xgr.GrammarCompiler(
+            info, max_threads=2, cache_limit_bytes=GRAMMAR_CACHE_BYTES
+        )
+
+    def cache_bytes(self) -> int:
+        """What the cache of compiled grammars holds now, in bytes."""
+        return int(self._compiler.get_cache_size_bytes())
 
     def compile(self, spec: dict) -> CompiledGrammar:
         """The CompiledGrammar of a `structured_outputs` spec (its shape already checked by

@@ -9,6 +9,7 @@ import copy
 import functools
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -22,6 +23,10 @@ from lmengine.serve.metrics import ServerMetrics
 from lmengine.serve.settings import ServerSettings
 
 NUM_TOKENIZING_THREADS = 2
+# interactive QoS sessions kept (their chat histories); past it the least recently used idle
+# one is forgotten (its next turn starts a new history), so session ids from clients cannot
+# grow the server's memory without end
+MAX_INTERACTIVE_SESSIONS = 1024
 
 
 class ServerContext:
@@ -41,10 +46,14 @@ class ServerContext:
         self.metrics = ServerMetrics(settings.slo_ttft_s, settings.slo_itl_s)
         engine.add_observer(self.metrics.observe_step)
         self.router: ResponseRouter | None = None  # built on the event loop at startup
-        self.sessions: dict[int, dict] = {}  # interactive session id -> history
+        # interactive session id -> history, least recently used first (`keep_session`)
+        self.sessions: OrderedDict[int, dict] = OrderedDict()
         self.created = int(time.time())
         self.is_shutting_down: Callable[[], bool] = lambda: False
         self.token_text = TokenTexts(self.tokenizer)
+        self.metrics.track("interactive_sessions", lambda: len(self.sessions))
+        self.metrics.track("token_texts", lambda: len(self.token_text))
+        self.metrics.track("jobs", lambda: len(self.router.jobs) if self.router else 0)
         # NOTE: each tokenizing thread has its own copy of the tokenizer (a fast tokenizer
         # is not safe for concurrent use); two, so one large request does not hold up others
         self._local = threading.local()
@@ -66,6 +75,17 @@ class ServerContext:
         raise APIError(
             404, f"the model {model!r} does not exist", "invalid_request_error", "model_not_found"
         )
+
+    def keep_session(self, session_id: int, session: dict) -> None:
+        """Keep an interactive session as the most recently used; forget the least recently
+        used idle ones past MAX_INTERACTIVE_SESSIONS (a session with a running turn stays)."""
+        self.sessions[session_id] = session
+        self.sessions.move_to_end(session_id)
+        if len(self.sessions) <= MAX_INTERACTIVE_SESSIONS:
+            return
+        idle = [sid for sid, s in self.sessions.items() if s.get("job") is None]
+        for sid in idle[: len(self.sessions) - MAX_INTERACTIVE_SESSIONS]:
+            del self.sessions[sid]
 
     # ---- text -> token ids --------------------------------------------------------------------
     def _own_tokenizer(self) -> None:

@@ -10,7 +10,8 @@ MIN_LOGPROB = -9999.0  # NOTE: JSON has no -inf; OpenAI and vLLM clamp the same 
 
 
 class TokenTexts:
-    """The text of single token ids (decoded once, then cached); never decodes sequences."""
+    """The text of single token ids (decoded once, then cached); never decodes sequences.
+    Bounded by the vocabulary: one entry per token id the model can emit."""
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
@@ -22,6 +23,9 @@ class TokenTexts:
             text = self.tokenizer.decode([token_id])
             self._texts[token_id] = text
         return text
+
+    def __len__(self) -> int:
+        return len(self._texts)
 
 
 def _clamp(logprob: float) -> float:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import bisect
 import math
 import time
+from collections.abc import Callable
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
@@ -103,6 +104,12 @@ class ServerMetrics:
         self.slo_ttft_s, self.slo_itl_s = slo_ttft_s, slo_itl_s
         self.slo_judged = 0
         self.slo_met = {"ttft": 0, "itl": 0, "all": 0}
+        # state that traffic grows, each with its bound (docs/operations.md): name -> its size
+        self.state_sizes: dict[str, Callable[[], int]] = {}
+
+    def track(self, state: str, size: Callable[[], int]) -> None:
+        """Export `size()` as `lmengine_server_state_entries{state=...}` at every scrape."""
+        self.state_sizes[state] = size
 
     def observe_step(self, report) -> None:
         """A step observer (`Engine.add_observer`): the step's duration and tokens."""
@@ -182,6 +189,12 @@ class ServerMetrics:
         for status, n in sorted(self.http_errors.items()):
             lines.append(f'lmengine_http_errors_total{{status="{status}"}} {n}')
         lines += self.render_goodput()
+        lines += [
+            "# HELP lmengine_server_state_entries entries of the server's bounded tables",
+            "# TYPE lmengine_server_state_entries gauge",
+        ]
+        for state, size in sorted(self.state_sizes.items()):
+            lines.append(f'lmengine_server_state_entries{{state="{_label(state)}"}} {size()}')
         steps = (self.step_seconds, self.step_tokens)
         for hist in (self.ttft, self.tpot, self.e2e, *self.phases.values(), *steps):
             lines += hist.render()

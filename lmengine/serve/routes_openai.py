@@ -48,6 +48,7 @@ def openai_router(client: ServerContext) -> APIRouter:
         return await create_chat_completion(client, body, request, "chat_completions")
 
     store = ResponseStore()
+    client.metrics.track("stored_responses", lambda: len(store.entries))
 
     @router.post("/v1/responses", responses=GENERATION_RESPONSES)
     async def v1_responses(body: ResponsesRequest, request: Request):

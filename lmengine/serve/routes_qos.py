@@ -102,7 +102,7 @@ async def interactive_turn(
     client.submit(job, [ids], [cfg], None, body.priority, body.user_id)
     if sid >= 0:
         session["job"] = job
-        client.sessions[sid] = session
+        client.keep_session(sid, session)
 
     def result(resp: Response, text: str) -> dict:
         return {
