@@ -94,6 +94,7 @@ TEST_KINDS = {
         "test_server_structured.py",
         "test_server_tools.py",
         "test_server_uptime.py",
+        "test_soak.py",
     ],
     "tp": [
         "test_tp.py",
