@@ -191,11 +191,19 @@ class Load:
         names = list(self.ops)
         weights = [self.ops[n][0] for n in names]
 
+        # NOTE: the rare operations run once at the start whatever the dice say, so that a
+        # short run has them too
+        first: list[str] = [n for n in ("burst", "adapter") if n in self.ops]
+
         def worker(i: int) -> None:
             with httpx.Client(base_url=self.url, headers=self.headers, timeout=120) as c:
+                todo = list(first) if i == 0 else []
                 while time.monotonic() < deadline:
-                    with self.rng_lock:
-                        name = self.rng.choices(names, weights)[0]
+                    if todo:
+                        name = todo.pop(0)
+                    else:
+                        with self.rng_lock:
+                            name = self.rng.choices(names, weights)[0]
                     try:
                         out = self.ops[name][1](c)
                     except httpx.HTTPError as e:  # a lost connection is never expected
@@ -346,14 +354,16 @@ class Load:
 
     def burst(self, c: httpx.Client) -> Outcome:
         """3x the queue limit of requests at once: some must be refused with 429."""
-        if not self.exclusive.acquire(blocking=False):
-            return Outcome("burst", 200, True)
+        if not self.exclusive.acquire(blocking=False):  # another burst or adapter cycle runs
+            return self.generate(c, "chat", stream=False)
         try:
             statuses: list[int] = []
+            start = threading.Barrier(3 * self.queue_limit)
 
             def one() -> None:
                 with httpx.Client(base_url=self.url, headers=self.headers, timeout=120) as own:
-                    path, body = self.body("completion", max_tokens=8)
+                    path, body = self.body("completion", prompt=self.text(60), max_tokens=8)
+                    start.wait()
                     r = own.post(path, json=body)
                     ok = r.status_code in (200, QUEUE_FULL) or (
                         r.status_code == 503 and "too_many_connections" in r.text
@@ -374,8 +384,8 @@ class Load:
 
     def adapter_cycle(self, c: httpx.Client) -> Outcome:
         """Load an adapter under a new name, generate with it, unload it."""
-        if not self.exclusive.acquire(blocking=False):
-            return Outcome("adapter", 200, True)
+        if not self.exclusive.acquire(blocking=False):  # a burst runs
+            return self.generate(c, "chat", stream=False)
         try:
             self.num_adapters += 1
             name = f"soak-{self.num_adapters}"
