@@ -18,7 +18,8 @@ first 5 minutes against the last 5, or the first fifth against the last for runs
 minutes, the latency per minute, answers by operation and status, the final checks) and a PNG
 of each series over time (`--plot`; needs matplotlib, skipped without it). The machine must be
 idle before it starts (`--force` goes on anyway). Exit status 1 when any 5xx other than the
-deliberate ones came back, a KV block was still held once idle, or RSS did not come back.
+deliberate ones came back or a connection was lost, a KV block was still held once idle, or
+RSS did not come back.
 """
 
 from __future__ import annotations
@@ -130,12 +131,6 @@ def serve(model: str, flags: list[str], port: int, log_path: Path) -> tuple[subp
     sys.exit(f"the server did not start in 15 minutes: see {log_path}")
 
 
-def unexpected_5xx(tally) -> int:
-    return sum(1 for u in tally.unexpected if u["status"] >= 500) + max(
-        0, tally.num_unexpected - len(tally.unexpected)
-    )
-
-
 def plot(report: dict, path: str) -> None:
     try:
         import matplotlib
@@ -206,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         proc.terminate()
         exit_code = proc.wait(timeout=120)
-    num_5xx = unexpected_5xx(tally)
+    num_5xx = tally.num_unexpected_5xx
     report = {
         "cpu": cpu_model(),
         "date": started.isoformat(timespec="seconds"),
@@ -224,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         "unexpected": tally.unexpected,
         "num_unexpected": tally.num_unexpected,
         "num_unexpected_5xx": num_5xx,
+        "num_lost_connections": tally.num_lost,
         "final": final,
         "server_exit_code": exit_code,
     }
@@ -235,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:>15}: {d['first']:>10} -> {d['last']:>10} ({d['change']:+})")
     print(f"answers: {tally.statuses()}; unexpected: {tally.num_unexpected} ({num_5xx} 5xx)")
     print(f"idle again: {final['checks']}, RSS {final['rss_change']:+.1%}")
-    failed = num_5xx > 0 or not final["passed"] or exit_code != 0
+    failed = num_5xx > 0 or tally.num_lost > 0 or not final["passed"] or exit_code != 0
     return 1 if failed else 0
 
 

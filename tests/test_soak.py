@@ -93,12 +93,12 @@ def test_a_minute_of_mixed_load_leaves_no_5xx_and_nothing_held(soaked):
 def test_the_tally_keeps_what_no_operation_expected():
     tally = Tally()
     assert expected(200) and expected(429) and not expected(500) and not expected(503)
-    for status in (200, 429, 500, 400):
+    for status in (200, 429, 500, 400, 0):
         tally.add(Outcome("chat", status, expected(status), body=f"status {status}"))
     tally.add(Outcome("chat_stream", 200, True, ttft=0.05, itls=[0.01, 0.03]))
-    assert tally.statuses() == {200: 2, 429: 1, 500: 1, 400: 1}
-    assert tally.num_unexpected == 2
-    assert [u["status"] for u in tally.unexpected] == [500, 400]
+    assert tally.statuses() == {200: 2, 429: 1, 500: 1, 400: 1, 0: 1}
+    assert tally.num_unexpected == 3 and tally.num_unexpected_5xx == 1 and tally.num_lost == 1
+    assert [u["status"] for u in tally.unexpected] == [500, 400, 0]
     (minute,) = tally.latency_by_minute()
     assert minute["ttft_ms"]["p50"] == 50.0 and minute["itl_ms"]["p99"] == 30.0
 

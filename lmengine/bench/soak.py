@@ -77,6 +77,8 @@ class Tally:
         self.counts: dict[str, dict[int, int]] = {}
         self.unexpected: list[dict] = []
         self.num_unexpected = 0
+        self.num_unexpected_5xx = 0
+        self.num_lost = 0  # connections lost or refused without an answer
         self.samples: list[tuple[float, float, list[float]]] = []  # (t, ttft, itls)
         self.num_done = 0
 
@@ -90,6 +92,8 @@ class Tally:
                 self.samples.append((now, out.ttft, out.itls))
             if not out.is_expected:
                 self.num_unexpected += 1
+                self.num_unexpected_5xx += out.status >= 500
+                self.num_lost += out.status == 0
                 if len(self.unexpected) < 50:
                     row = {"t": round(now, 1), "op": out.op, "status": out.status}
                     self.unexpected.append({**row, "body": out.body[:300]})
