@@ -52,6 +52,7 @@ COLUMNS = [  # (header, key in vLLM's result file, format)
     ("TTFT p90 ms", "p90_ttft_ms", "{:.0f}"),
     ("TTFT p99 ms", "p99_ttft_ms", "{:.0f}"),
     ("TPOT p50 ms", "p50_tpot_ms", "{:.1f}"),
+    ("ITL p50 ms", "p50_itl_ms", "{:.0f}"),
     ("ITL p99 ms", "p99_itl_ms", "{:.0f}"),
     ("E2E p50 ms", "p50_e2el_ms", "{:.0f}"),
 ]
@@ -72,8 +73,8 @@ def run_client(
     return json.loads(out.read_text())
 
 
-def start_vllm(vllm_python: str, hf_model: str) -> tuple[subprocess.Popen, str]:
-    """`vllm serve` in float32 on every core; returns once healthy."""
+def start_vllm(vllm_python: str, hf_model: str, dtype: str) -> tuple[subprocess.Popen, str]:
+    """`vllm serve` in `dtype` on every core; returns once healthy."""
     port = free_port()
     cpus = os.cpu_count() or 1
     env = {
@@ -85,7 +86,7 @@ def start_vllm(vllm_python: str, hf_model: str) -> tuple[subprocess.Popen, str]:
     if iomp.exists():  # vLLM's fastest OpenMP runtime on these CPUs
         env["LD_PRELOAD"] = str(iomp)
     cmd = [vllm_python, str(VLLM_CLI), "serve", hf_model, "--port", str(port)]
-    cmd += ["--served-model-name", NAME, "--dtype", "float32", "--max-model-len", "2048"]
+    cmd += ["--served-model-name", NAME, "--dtype", dtype, "--max-model-len", "2048"]
     cmd += ["--no-enable-prefix-caching", "--max-num-seqs", "64"]
     cmd += ["--gpu-memory-utilization", "0.25"]  # NOTE: on the CPU build, a share of host RAM
     log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
@@ -122,7 +123,7 @@ def measure(args, server: str, workdir: Path, round_: int) -> list[dict]:
     if server == "lmengine":
         proc, url = start_server(args.lmengine_model, ["--served-model-name", NAME, *args.flags])
     else:
-        proc, url = start_vllm(args.vllm_python, args.hf_model)
+        proc, url = start_vllm(args.vllm_python, args.hf_model, args.vllm_dtype)
     rows = []
     try:
         for load, load_args in LOADS.items():
@@ -204,6 +205,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--lmengine-model", default=None, help="what lmengine serves (default: --hf-model)"
+    )
+    p.add_argument(
+        "--vllm-dtype",
+        default="auto",
+        help="vLLM's --dtype (default: auto, its own default: the model's dtype, bfloat16 "
+        "for SmolLM2; lmengine's is set by its own --dtype flag after --)",
     )
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument(
