@@ -295,7 +295,8 @@ class Engine(LoraAdmin):
     def stats(self) -> dict:
         """Scheduler counters (see `Scheduler.stats`): queue lengths incl. `num_swapped`, free
         blocks of both pools, preemptions, per-group QoS counters under "qos", `max_lora_slots`
-        and, once an adapter is loaded, the LoRA pool's counters, and with speculative decoding the
+        and, once an adapter is loaded, the LoRA pool's counters, once a grammar is compiled the
+        bytes its cache holds (`grammar_cache_bytes`), and with speculative decoding the
         acceptance counters under "speculative"."""
 
         def collect() -> dict:
