@@ -13,9 +13,9 @@ from lmengine.scheduler import BlockManager, Scheduler, Sequence, get_policy
 BS = 4
 
 
-def make_seq(seq_id, tokens, max_new=4, adapter=None):
+def make_seq(seq_id, tokens, max_new=4, adapter=None, adapter_id=None):
     cfg = SimpleNamespace(max_new_tokens=max_new)
-    return Sequence(seq_id, seq_id, list(tokens), cfg, adapter_name=adapter)
+    return Sequence(seq_id, seq_id, list(tokens), cfg, adapter_name=adapter, adapter_id=adapter_id)
 
 
 def run_prefill(bm, seq):
@@ -211,18 +211,18 @@ def test_scheduler_fuzz_shared_prefixes_preemption_and_swap(eviction, policy):
 
 def test_a_removed_adapter_blocks_are_never_matched_again():
     bm = BlockManager(16, 0, BS, enable_prefix_caching=True)
-    running = make_seq(0, range(1, 4), adapter="sql")  # admitted before the removal
+    running = make_seq(0, range(1, 4), adapter="sql", adapter_id=0)  # admitted before removal
     run_prefill(bm, running)
-    run_prefill(bm, make_seq(1, range(1, 13), adapter="sql"))
-    assert run_prefill(bm, make_seq(2, range(1, 13), adapter="sql")) == 8
-    bm.forget_adapter("sql")  # "sql" re-added later would have other weights
-    assert run_prefill(bm, make_seq(3, range(1, 13), adapter="sql")) == 0
-    assert run_prefill(bm, make_seq(4, range(1, 13), adapter="sql")) == 8  # the new chain
+    run_prefill(bm, make_seq(1, range(1, 13), adapter="sql", adapter_id=0))
+    assert run_prefill(bm, make_seq(2, range(1, 13), adapter="sql", adapter_id=0)) == 8
+    # "sql" removed and added again: another registration id, other weights
+    assert run_prefill(bm, make_seq(3, range(1, 13), adapter="sql", adapter_id=1)) == 0
+    assert run_prefill(bm, make_seq(4, range(1, 13), adapter="sql", adapter_id=1)) == 8
     # a sequence admitted before the removal keeps its own chain: a full block it computes
     # now is not offered to the new adapter's requests
     running.token_ids += [4, 5]
     running.num_computed_tokens = 5
     bm.allocate(running, 5)
     bm.commit(running)
-    fresh = make_seq(5, [1, 2, 3, 4, 9], adapter="sql")
+    fresh = make_seq(5, [1, 2, 3, 4, 9], adapter="sql", adapter_id=1)
     assert bm.acquire_prefix(fresh) == 4 and fresh.block_table[0] != running.block_table[0]

@@ -70,5 +70,4 @@ class LoraAdmin:
         manager = self.scheduler.adapter_manager
         if manager is None or name not in manager.ids:
             raise ValueError(f"unknown adapter {name!r}")
-        manager.remove(name)
-        self.scheduler.block_manager.forget_adapter(name)  # prefix caching: stale KV
+        manager.remove(name)  # prefix caching: its id salted its blocks' keys (stale KV)

@@ -100,7 +100,7 @@ class BlockManager:
         """Key of `seq`'s full block i (keys of blocks 0..i-1 are in seq.block_keys)."""
         bs = self.block_size
         if seq.cache_salt is None:
-            seq.cache_salt = self.prefix_cache.salt(seq.adapter_name)
+            seq.cache_salt = self.prefix_cache.salt(seq.adapter_name, seq.adapter_id)
         prev = seq.block_keys[i - 1] if i else seq.cache_salt
         return block_key(prev, seq.adapter_name, seq.token_ids[i * bs : (i + 1) * bs])
 
@@ -139,11 +139,6 @@ class BlockManager:
             self.device.free_ids.append(self.prefix_cache.evict())
             dropped += 1
         return dropped
-
-    def forget_adapter(self, adapter_name: str) -> None:
-        """An adapter is removed: its cached blocks are never matched again."""
-        if self.prefix_cache is not None:
-            self.prefix_cache.forget_adapter(adapter_name)
 
     def release_prefix(self, seq: Sequence) -> None:
         """Undo `acquire_prefix` for a sequence that was not admitted after all."""

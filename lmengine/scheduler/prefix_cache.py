@@ -1,7 +1,8 @@
 """Content-addressed KV blocks for prefix caching. Pure Python, no tensors.
 
-A sequence's chain starts at a salt made of its adapter name and how many times an adapter
-of that name has been removed, so a removed-and-re-added adapter never reuses stale KV.
+A sequence's chain starts at a salt made of its adapter's name and registration id (an id
+serves one registration only), so an adapter removed and added again under the same name
+never reuses the KV of the one before, and nothing is kept per removed adapter.
 
 A full block's key chains the previous block's key, the adapter name and the block's token
 ids (blake2b, 16 bytes), so equal keys mean equal prefixes under the same adapter: blocks are
@@ -33,17 +34,13 @@ class PrefixCache:
         self.block_of: dict[bytes, int] = {}  # key -> block id
         self.key_of: dict[int, bytes] = {}  # block id -> key
         self.evictable: OrderedDict[int, None] = OrderedDict()  # ref count 0, oldest first
-        self.adapter_generation: dict[str | None, int] = {}  # bumped when an adapter goes
 
-    def salt(self, adapter_name: str | None) -> bytes:
-        """Root key of the chains computed under the adapter as loaded now."""
-        generation = self.adapter_generation.get(adapter_name, 0)
-        return block_key(None, adapter_name, [generation])
-
-    def forget_adapter(self, adapter_name: str | None) -> None:
-        """Blocks computed under `adapter_name` are never matched again (an adapter loaded
-        later under the same name has other weights); they age out through the LRU."""
-        self.adapter_generation[adapter_name] = self.adapter_generation.get(adapter_name, 0) + 1
+    @staticmethod
+    def salt(adapter_name: str | None, adapter_id: int | None) -> bytes:
+        """Root key of the chains computed under one registration of an adapter (the base
+        model: None, None). A removed adapter's blocks are never matched again, since a later
+        registration under its name has another id; they age out through the LRU."""
+        return block_key(None, adapter_name, [-1 if adapter_id is None else adapter_id])
 
     def __len__(self) -> int:
         return len(self.block_of)

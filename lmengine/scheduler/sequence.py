@@ -70,7 +70,7 @@ class Sequence(TokenCounts):
     block_table: list[int] = field(default_factory=list)  # device block ids, in order
     host_block_table: list[int] = field(default_factory=list)  # host block ids while SWAPPED
     block_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of full blocks
-    cache_salt: bytes | None = None  # prefix-cache root: adapter name and its load generation
+    cache_salt: bytes | None = None  # prefix-cache root: the adapter's name and registration id
     num_preemptions: int = 0
     num_prompt_tokens: int = -1
     num_charged_tokens: int = 0  # tokens already counted as served to its QoS tenant
