@@ -155,7 +155,7 @@ def budgets(args) -> dict[str, StepBudget]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--cost", type=float, nargs=4, default=ZEN3)
     parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 2048])
     parser.add_argument("--targets", type=float, nargs="*", default=[250, 500, 1000])
