@@ -19,21 +19,20 @@ import argparse
 import json
 import os
 import random
-import socket
-import subprocess
 import sys
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
-from lmengine.bench.report import busy_fraction, check_idle, cpu_model
-from lmengine.engine.loader import resolve_model_path
-from lmengine.quant.eval import heldout_token_ids
-
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.serving import start_server, stop  # noqa: E402
+from lmengine.bench.report import busy_fraction, check_idle, cpu_model  # noqa: E402
+from lmengine.engine.loader import resolve_model_path  # noqa: E402
+from lmengine.quant.eval import heldout_token_ids  # noqa: E402
 
 
 def log(msg: str) -> None:
@@ -49,37 +48,6 @@ def make_texts(tokenizer, num_texts: int, text_tokens: int, seed: int) -> list[s
         at = rng.randrange(0, len(ids) - text_tokens)
         texts.append(tokenizer.decode(ids[at : at + text_tokens]))
     return texts
-
-
-def start_server(model: str, flags: list[str]) -> tuple[subprocess.Popen, str]:
-    """`python -m lmengine serve MODEL` on a free port; returns once /health answers."""
-    try:  # the HTTP client the installed openai package uses
-        import httpx2 as httpx
-    except ImportError:
-        import httpx
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "lmengine", "serve", model, "--port", str(port)]
-    cmd += ["--served-model-name", "bench", *flags]
-    out = tempfile.TemporaryFile("w+")
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            out.seek(0)
-            raise RuntimeError(f"lmengine serve exited with {proc.returncode}:\n{out.read()}")
-        try:
-            if httpx.get(url + "/health", timeout=1.0).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError("lmengine serve did not answer /health within 600 s")
 
 
 def lmengine_embed(url: str, texts: list[str], batch: int, concurrency: int) -> list:
@@ -152,7 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     }
     hf_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=args.hf_dtype).eval()
     report["transformers_dtype"] = str(hf_model.dtype).removeprefix("torch.")
-    proc, url = start_server(model_path, args.serve_flags.split())
+    proc, url = start_server(
+        model_path, ["--served-model-name", "bench", *args.serve_flags.split()]
+    )
     try:
         lmengine_embed(url, texts[: args.batch], args.batch, 1)  # warm-up
         hf_embed(hf_model, tokenizer, texts[: args.hf_batch_size], args.hf_batch_size)
@@ -179,8 +149,7 @@ def main(argv: list[str] | None = None) -> int:
                 }
             )
     finally:
-        proc.terminate()
-        proc.wait(60)
+        stop(proc)
     text = json.dumps(report, indent=2)
     print(text)
     if args.json:

@@ -28,6 +28,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -235,19 +236,29 @@ def http_ok(url: str, check=None) -> bool:
         return False
 
 
-def start_server(model: str | None, engine_flags: list[str]) -> tuple[subprocess.Popen, str]:
-    port = free_port()
+def start_server(
+    model: str | None,
+    engine_flags: list[str],
+    log_path: str | Path | None = None,
+    port: int = 0,
+    timeout: float = 300,
+) -> tuple[subprocess.Popen, str]:
+    """`python -m lmengine serve [MODEL]` on `port` (0: a free one), its output into
+    `log_path` (default: a temporary file, never a pipe that a long run could fill); returns
+    once /health answers 200, else RuntimeError with the log's tail."""
+    port = port or free_port()
     cmd = [sys.executable, "-m", "lmengine", "serve", *([model] if model else [])]
     cmd += ["--port", str(port), *engine_flags]
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    log = open(log_path, "w+") if log_path else tempfile.TemporaryFile("w+")  # noqa: SIM115
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
 
     def failed(why: str) -> str:
-        tail = proc.stderr.read().decode()[-2000:] if proc.poll() is not None else ""
-        return f"lmengine serve {why}: {tail}"
+        log.seek(0)
+        return f"lmengine serve {why}: {log.read()[-2000:]}"
 
-    wait_ready(proc, lambda: http_ok(url + "/health"), 300, failed)
+    wait_ready(proc, lambda: http_ok(url + "/health"), timeout, failed)
     return proc, url
 
 

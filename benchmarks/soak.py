@@ -27,16 +27,18 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from lmengine.bench.report import check_idle, command_line, cpu_model
-from lmengine.bench.soak import QOS_CONFIG, Load, httpx
-from lmengine.bench.soak_watch import (
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.serving import start_server  # noqa: E402
+from lmengine.bench.report import check_idle, command_line, cpu_model  # noqa: E402
+from lmengine.bench.soak import QOS_CONFIG, Load  # noqa: E402
+from lmengine.bench.soak_watch import (  # noqa: E402
     SERIES,
     Watcher,
     drift,
@@ -45,8 +47,6 @@ from lmengine.bench.soak_watch import (
     snapshot,
     wait_idle,
 )
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -100,37 +100,6 @@ def make_adapter(model: str, out: Path) -> str | None:
         return None
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def serve(model: str, flags: list[str], port: int, log_path: Path) -> tuple[subprocess.Popen, str]:
-    """`python -m lmengine serve MODEL`, once /health answers 200."""
-    port = port or free_port()
-    cmd = [sys.executable, "-m", "lmengine", "serve", model, "--port", str(port), *flags]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    log(" ".join(cmd))
-    out = open(log_path, "w")
-    proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 900
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            sys.exit(f"the server exited with {proc.returncode}: see {log_path}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    sys.exit(f"the server did not start in 15 minutes: see {log_path}")
-
-
 def plot(report: dict, path: str) -> None:
     try:
         import matplotlib
@@ -181,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     ]  # fmt: skip
     if adapter is not None:
         flags += ["--enable-lora-updates", "--lora-root", str(work / "adapters")]
-    proc, url = serve(model, flags + serve_flags, args.port, work / "server.log")
+    log(f"lmengine serve {model} {' '.join(flags + serve_flags)}")
+    proc, url = start_server(model, flags + serve_flags, work / "server.log", args.port, 900)
     started = datetime.datetime.now(datetime.timezone.utc)
     try:
         load = Load(url, "soak", adapter_path=adapter, queue_limit=args.queue_limit,
