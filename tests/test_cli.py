@@ -31,10 +31,12 @@ def run_cli(*args, stdin: str | None = None, timeout: float = 300):
 
 
 def test_help_of_every_command():
+    helps = {}
     for cmd in ("generate", "chat", "bench"):
         res = run_cli(cmd, "--help", timeout=60)
         assert res.returncode == 0 and "--" in res.stdout
-    gen_help = run_cli("generate", "--help", timeout=60).stdout
+        helps[cmd] = res.stdout
+    gen_help = helps["generate"]
     for f in dataclasses.fields(GenerationConfig):
         flag = "--" + f.name.replace("_", "-")
         has_flag = re.search(re.escape(flag) + r"(?=[\s,])", gen_help) is not None

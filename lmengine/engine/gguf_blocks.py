@@ -16,12 +16,16 @@ moves whole rows of blocks, so the blocks stay as they are. Gemma 3's and Qwen3-
 stored in transformers' order.
 
 `open_gguf(path)` opens a file for reading, with a clear error for a cut one or for a tensor
-type the installed gguf package does not know.
+type the installed gguf package does not know. It keeps the last files it opened: parsing a
+file's metadata takes seconds for a large vocabulary, and loading a file opens it for the
+expansion's check and again for its blocks.
 """
 
 from __future__ import annotations
 
+import os
 import re
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -86,10 +90,31 @@ def _unpermute_rows(blocks: torch.Tensor, num_heads: int) -> torch.Tensor:
     return blocks.reshape(num_heads, half, 2, -1).transpose(1, 2).reshape(rows, -1).contiguous()
 
 
+# the readers open_gguf parsed last, by (real path, inode, size, time of change in ns): a file
+# written again is parsed again
+_READERS: dict[tuple, object] = {}
+_MAX_READERS = 2
+_READERS_LOCK = threading.Lock()
+
+
 def open_gguf(path: str):
-    """A `gguf.GGUFReader` over the file at `path` (memory-mapped: no tensor is read yet).
+    """A `gguf.GGUFReader` over the file at `path` (memory-mapped: no tensor is read yet),
+    the one opened before while the file is unchanged (readers are only read from).
     Raises ValueError for a truncated or damaged file, and for a tensor type unknown to the
     installed gguf package (a file newer than the package), naming the type's id."""
+    stat = os.stat(path)
+    key = (os.path.realpath(path), stat.st_ino, stat.st_size, stat.st_mtime_ns)
+    with _READERS_LOCK:
+        reader = _READERS.get(key)
+        if reader is None:
+            reader = _parse_gguf(path)
+            if len(_READERS) >= _MAX_READERS:
+                del _READERS[next(iter(_READERS))]  # the oldest
+            _READERS[key] = reader
+        return reader
+
+
+def _parse_gguf(path: str):
     from gguf import GGUFReader
 
     try:
