@@ -248,6 +248,26 @@ def test_openapi_documents_the_messages_routes(server):
         assert schema["$ref"].endswith("/AnthropicErrorBody"), schema
 
 
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/messages/count_tokens"])
+def test_the_document_and_the_server_agree_on_what_needs_tools(server, path):
+    """A forced tool choice without tools is refused, and the document says so; a null or
+    auto choice with no tools is accepted, and the document says so too (a null choice once
+    met the "forced" rule vacuously: the schema fuzz found the server accepting a body its
+    document refused)."""
+    import jsonschema
+
+    doc = httpx.get(server + "/openapi.json").json()
+    ref = doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    validator = jsonschema.Draft202012Validator({**ref, "components": doc["components"]})
+    base = {"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+    headers = {"x-api-key": API_KEY}
+    for choice, valid in ((None, True), ({"type": "auto"}, True), ({"type": "any"}, False)):
+        body = {**base, "tools": [], "tool_choice": choice}
+        assert validator.is_valid(body) == valid, choice
+        status = httpx.post(server + path, json=body, headers=headers, timeout=60).status_code
+        assert (status == 200) == valid, (choice, status)
+
+
 # ---- SmolLM2 chooses the tool under auto ---------------------------------------------------------
 WEATHER_TOOL = {
     "name": "get_weather",

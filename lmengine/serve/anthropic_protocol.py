@@ -232,11 +232,12 @@ AnthropicToolChoice = Annotated[
         custom_error_message="tool_choice is an object of type auto, any, tool or none",
     ),
 ]
-# a call that must be made needs a tool to call
+# a call that must be made needs a tool to call (NOTE: "type": "object", else a null
+# tool_choice, which forces nothing, would meet `required` and `properties` vacuously)
 NEEDS_TOOLS: dict = {
     "if": {
         "required": ["tool_choice"],
-        "properties": {"tool_choice": {"required": ["type"],
+        "properties": {"tool_choice": {"type": "object", "required": ["type"],
                                        "properties": {"type": {"enum": ["any", "tool"]}}}},
     },
     "then": {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1}}},
