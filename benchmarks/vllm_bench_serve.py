@@ -180,7 +180,8 @@ def report(rows: list[dict], goodput: list[str]) -> str:
                     )
                     for s in ("lmengine", "vllm")
                 }
-                parts.append(f"{header} {med['lmengine'] / med['vllm']:.2f}")
+                ratio = med["lmengine"] / med["vllm"] if med["vllm"] else float("nan")
+                parts.append(f"{header} {ratio:.2f}")
             lines.append(f"- {load}: " + ", ".join(parts))
     mine = [r for r in rows if r["server"] == "lmengine"]
     if mine:
@@ -221,6 +222,11 @@ def main(argv: list[str] | None = None) -> int:
         help="run only this load (repeatable; default: all three)",
     )
     p.add_argument("--no-vllm-server", action="store_true", help="measure lmengine only")
+    p.add_argument(
+        "--no-lmengine-server",
+        action="store_true",
+        help="measure vLLM only (e.g. at another dtype, beside an earlier run's lmengine)",
+    )
     p.add_argument("--force", action="store_true", help="run even if the CPUs are busy")
     p.add_argument("--json", metavar="PATH", help="also write every run as JSON")
     p.add_argument(
@@ -238,16 +244,21 @@ def main(argv: list[str] | None = None) -> int:
 
         args.hf_model = resolve_model_path(None)
     args.lmengine_model = args.lmengine_model or args.hf_model
-    servers = ["lmengine"] if args.no_vllm_server else ["lmengine", "vllm"]
+    servers = [
+        name
+        for name, skip in (("lmengine", args.no_lmengine_server), ("vllm", args.no_vllm_server))
+        if not skip
+    ]
+    if not servers:
+        p.error("--no-vllm-server and --no-lmengine-server leave nothing to measure")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for round_ in range(1, args.rounds + 1):
             for server in servers if round_ % 2 else servers[::-1]:
                 rows += measure(args, server, Path(tmp), round_)
-    text = report(rows, args.goodput)
-    print(text)
-    if args.json:
+    if args.json:  # NOTE: first: the runs are what took the time
         Path(args.json).write_text(json.dumps(rows, indent=2))
+    print(report(rows, args.goodput))
     return 0 if all(r["completed"] == 64 for r in rows) else 1
 
 
