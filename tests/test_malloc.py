@@ -1,5 +1,6 @@
 """engine/malloc.py: once set, a large tensor freed and allocated again step after step stops
-faulting its pages in."""
+faulting its pages in; an engine idle for `IDLE_RELEASE_S` hands that kept memory back; the
+GEMMs oneDNN compiles for each row count stay within the caches' bound lmengine sets."""
 
 from __future__ import annotations
 
@@ -36,9 +37,9 @@ print(json.dumps({"before": before, "applied": applied, "after": faults()}))
 _PAGES_PER_CYCLE = (50 << 20) // os.sysconf("SC_PAGE_SIZE")
 
 
-def _probe(env: dict) -> dict:
+def _probe(env: dict, probe: str = _PROBE) -> dict:
     run = subprocess.run(
-        [sys.executable, "-c", _PROBE],
+        [sys.executable, "-c", probe],
         env={**os.environ, **env},
         capture_output=True,
         text=True,
@@ -62,3 +63,92 @@ def test_the_setting_can_be_left_alone():
     res = _probe({"LMENGINE_KEEP_FREED_MEMORY": "0"})
     assert not res["applied"]
     assert res["after"] > 10 * _PAGES_PER_CYCLE / 4, res
+
+
+_IDLE_PROBE = """
+import json, sys, time, torch
+from lmengine.engine import engine as engine_module
+from lmengine import Engine, EngineConfig, GenerationConfig
+
+def rss_mb():
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) for l in f if l.startswith("VmRSS")) / 1024
+
+engine_module.IDLE_RELEASE_S = 1.0
+eng = Engine.from_pretrained(sys.argv[1], EngineConfig(num_gpu_blocks=64))
+inst = eng.create_instance()
+inst.infer(0, [5, 6, 7], gen_config=GenerationConfig(max_new_tokens=2))  # warm-up
+time.sleep(1.5)
+out = {}
+
+pinned = []
+
+def big_step():  # on the loop thread: a step's activations, freed (and kept by malloc)
+    step = [torch.ones(6 << 18) for _ in range(8)]  # 48 MiB
+    pinned.append(torch.ones(64))  # allocated after them, it lives on, as a step's outputs do
+    del step
+
+for name in ("first", "second"):  # the second idle period releases again
+    before = rss_mb()
+    eng.call(big_step)
+    inst.infer(0, [5, 6, 7], gen_config=GenerationConfig(max_new_tokens=2))  # a step
+    busy = rss_mb()
+    time.sleep(0.3)
+    soon = rss_mb()  # idle for less than IDLE_RELEASE_S: still kept
+    time.sleep(1.5)
+    out[name] = {"before": before, "busy": busy, "soon": soon, "idle": rss_mb()}
+eng.close()
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc: Linux")
+def test_an_idle_engine_hands_its_freed_memory_back(tiny_llama_path):
+    run = subprocess.run(
+        [sys.executable, "-c", _IDLE_PROBE, tiny_llama_path],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr
+    res = json.loads(run.stdout.strip().splitlines()[-1])
+    for period in res.values():
+        assert period["busy"] - period["before"] > 35, res  # 50 MiB freed and kept
+        assert period["soon"] - period["before"] > 35, res
+        assert period["idle"] - period["before"] < 15, res  # handed back
+
+
+_GEMM_PROBE = """
+import json, torch
+from lmengine.engine.malloc import keep_freed_memory, release_idle_memory
+from lmengine.kernels.linear import can_pack, linear, pack_weight
+
+def rss_mb():
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) for l in f if l.startswith("VmRSS")) / 1024
+
+keep_freed_memory()
+torch.manual_seed(0)
+weights = [torch.randn(o, i) for o, i in ((960, 576), (576, 576), (3072, 576), (576, 1536))]
+packs = [pack_weight(w) for w in weights]
+before = rss_mb()
+for rows in range(9, 409):  # 1,600 (shape, row count) GEMMs: steps come in all sizes
+    for w, p in zip(weights, packs):
+        linear(torch.randn(rows, w.shape[1]), w, None, p)
+release_idle_memory()
+print(json.dumps({"packed": can_pack(weights[0]) and packs[0].dtype == torch.float32,
+                  "growth_mb": rss_mb() - before}))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc: Linux")
+def test_compiled_gemms_stay_within_the_cache_bound():
+    onednn = {"LMENGINE_GEMM": "onednn"}  # Intel CPUs take MKL's packed GEMM otherwise
+    capped = _probe(onednn, _GEMM_PROBE)
+    if not capped["packed"]:
+        pytest.skip("no oneDNN packing here")
+    # as the libraries come (an operator's setting wins over lmengine's): 1,024 of each kept
+    limits = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "1024", "LRU_CACHE_CAPACITY": "1024"}
+    uncapped = _probe({**onednn, **limits}, _GEMM_PROBE)
+    assert capped["growth_mb"] < 260, (capped, uncapped)  # 512 GEMMs of ~0.35 MB, 16 wrappers
+    assert uncapped["growth_mb"] - capped["growth_mb"] > 150, (capped, uncapped)

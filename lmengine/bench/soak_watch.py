@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 from lmengine.bench.soak import Tally, httpx
+from lmengine.engine.malloc import IDLE_RELEASE_S
 
 SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*(?:\{[^}]*\})?) (\S+)$")
 IDLE_GAUGES = (
@@ -22,6 +23,9 @@ IDLE_GAUGES = (
     "lmengine_kv_blocks_used",
     "lmengine_server_requests_in_flight",
 )
+# NOTE: one client for every sample: `httpx.get` builds a client (and an SSL context) per call,
+# ~25 ms of the watcher's own time that a /health latency must not include
+_CLIENT = httpx.Client(timeout=30)
 SERIES = ("rss_mb", "num_fds", "num_threads", "kv_blocks_used", "health_ms", "answers_per_s")
 
 
@@ -41,7 +45,7 @@ def proc_stats(pid: int) -> dict[str, float]:
 
 def scrape(url: str, headers: dict | None = None) -> dict[str, float]:
     """/metrics as {'name{labels}': value}."""
-    text = httpx.get(url + "/metrics", headers=headers or {}, timeout=30).text
+    text = _CLIENT.get(url + "/metrics", headers=headers or {}).text
     out = {}
     for line in text.splitlines():
         m = SAMPLE.match(line)
@@ -57,11 +61,14 @@ def tables(metrics: dict[str, float]) -> dict[str, float]:
 
 
 def wait_idle(url: str, headers: dict | None = None, timeout: float = 60.0) -> dict[str, float]:
-    """Metrics once nothing runs, waits, holds a KV block or is in flight (or at `timeout`)."""
+    """Metrics once nothing runs, waits, holds a KV block or is in flight (or at `timeout`),
+    and then long enough for the engine loop to hand its freed memory back to the OS
+    (`IDLE_RELEASE_S`) and for the event loop to reap the connections the load closed."""
     deadline = time.monotonic() + timeout
     while True:
         m = scrape(url, headers)
         if sum(m.get(k, 0) for k in IDLE_GAUGES) == 0 or time.monotonic() > deadline:
+            time.sleep(IDLE_RELEASE_S + 1.0)
             return m
         time.sleep(0.2)
 
@@ -69,7 +76,7 @@ def wait_idle(url: str, headers: dict | None = None, timeout: float = 60.0) -> d
 def snapshot(pid: int, url: str, headers: dict | None = None) -> dict[str, Any]:
     """One sample: the process's resources, KV blocks in use, tables, /health latency."""
     start = time.monotonic()
-    health = httpx.get(url + "/health", timeout=30)
+    health = _CLIENT.get(url + "/health")
     health_ms = (time.monotonic() - start) * 1e3
     m = scrape(url, headers)
     return {
@@ -146,7 +153,6 @@ def idle_check(
     """Once the server is idle: every KV block free, RSS within `rss_tolerance` (a fraction)
     of `baseline` (the post-warm-up snapshot), descriptors within `fd_slack` of it."""
     m = wait_idle(url, headers)
-    time.sleep(1.0)  # NOTE: connections the load closed are reaped by the event loop
     now = snapshot(pid, url, headers)
     rss_change = (now["rss_mb"] - baseline["rss_mb"]) / baseline["rss_mb"]
     checks = {

@@ -36,7 +36,7 @@ from lmengine.engine.adapters import LoraAdmin
 from lmengine.engine.beam import BeamSearch
 from lmengine.engine.client import Client
 from lmengine.engine.loader import load_model_and_tokenizer
-from lmengine.engine.malloc import keep_freed_memory
+from lmengine.engine.malloc import IDLE_RELEASE_S, keep_freed_memory, release_idle_memory
 from lmengine.engine.model_agent import ModelAgent
 from lmengine.engine.observer import StepReport, step_report
 from lmengine.engine.output_stage import OutputProcessor
@@ -342,13 +342,18 @@ class Engine(LoraAdmin):
 
     # ---- the loop thread ----------------------------------------------------------------------
     def _loop(self) -> None:
+        release_at: float | None = None  # when idle memory goes back to the OS (malloc.py)
         try:
             while not self._stop.is_set():
                 idle = not self.scheduler.has_unfinished
+                if idle and release_at is not None and time.monotonic() >= release_at:
+                    release_idle_memory()
+                    release_at = None
                 for req in self.request_manager.drain(block=idle):
                     self._handle(req)
                 if self.scheduler.has_unfinished:
                     self.step()
+                    release_at = time.monotonic() + IDLE_RELEASE_S
         except BaseException as e:  # NOTE: any death of the loop must reach every caller
             logger.error("engine loop died:\n%s", traceback.format_exc())
             self._stop_reason = f"engine loop died: {type(e).__name__}: {e}"

@@ -9,10 +9,13 @@ of SmolLM2-135M's linears at 4,096 rows, on a thread as the engine runs them: 33
 glibc comes, 385 with both settings below (either alone: 339 and 300); offline, 8 prompts of
 1,016 tokens 1,006 -> 1,129 prompt tok/s and 64 chat prompts 505 -> 520 output tok/s.
 
-The price: memory the engine freed stays with the process (its resident size stays at its
-peak, which the KV pool dominates anyway) instead of going back to the OS. It applies to the
-whole process, once, when an engine on the CPU starts; `LMENGINE_KEEP_FREED_MEMORY=0` leaves
-glibc's defaults alone. Other C libraries (musl, macOS) are left alone.
+The price: memory the engine freed stays with the process while it works (its resident size
+is that of its largest step) instead of going back to the OS. Once the engine has been idle
+for `IDLE_RELEASE_S`, its loop hands that memory back (`release_idle_memory`), so an idle
+server's resident size does not keep the high-water mark of the traffic it has seen. It
+applies to the whole process, once, when an engine on the CPU starts;
+`LMENGINE_KEEP_FREED_MEMORY=0` leaves glibc's defaults alone. Other C libraries (musl, macOS)
+are left alone.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ _M_MMAP_THRESHOLD = -3
 # per-thread heap size (64 MB), so larger blocks still get their own mapping.
 _MMAP_THRESHOLD = 1 << 30
 _TRIM_THRESHOLD = 1 << 30  # free memory kept at the top of a heap before it is returned
+IDLE_RELEASE_S = 2.0  # seconds without a step before the engine loop releases freed memory
 _applied = False
 
 
@@ -68,8 +72,17 @@ def release_freed_memory(device) -> None:
         import torch
 
         torch.cuda.empty_cache()
-    elif _applied:
-        try:
-            ctypes.CDLL(None).malloc_trim(0)
-        except (OSError, AttributeError):
-            pass
+    else:
+        release_idle_memory()
+
+
+def release_idle_memory() -> bool:
+    """`malloc_trim`: give the free memory of every heap back to the OS, where the settings
+    above keep it (the engine loop calls this once it has been idle for `IDLE_RELEASE_S`).
+    True when memory was released."""
+    if not _applied:
+        return False
+    try:
+        return bool(ctypes.CDLL(None).malloc_trim(0))
+    except (OSError, AttributeError):
+        return False

@@ -52,6 +52,8 @@ import torch.nn.functional as F
 
 from lmengine.kernels import cpu_ext
 
+# NOTE: lmengine/__init__.py bounds the caches of compiled GEMMs (oneDNN 512, ideep 16).
+
 _PACK_BATCH_HINT = 64  # oneDNN picks the packed layout for this many rows
 # MKL's layout for this many rows is the fastest from 9 to 2,048 rows (measured: 256 and 512
 # alike; 768 and 1,024 pick a layout ~1.3-1.5x slower below 1,024 rows)
