@@ -31,15 +31,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.serving import start_server, stop  # noqa: E402
-from lmengine.bench.report import check_idle, command_line, cpu_model  # noqa: E402
+from lmengine.bench.report import check_idle, command_line, cpu_model, nearest_rank  # noqa: E402
 from lmengine.bench.soak import httpx  # noqa: E402
 
 NAME = "hostile"
-
-
-def percentile(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, max(0, round(q / 100 * len(values) + 0.5) - 1))]
 
 
 def body(max_tokens: int, stream: bool) -> bytes:
@@ -118,7 +113,7 @@ def measure(url: str, num_health: int, num_streams: int, max_tokens: int) -> dic
             ttft.append(1000 * (times[0] - start))
             gaps += [1000 * (b - a) for a, b in zip(times, times[1:])]
     return {
-        f"{name} p{q}": percentile(values, q)
+        f"{name} p{q}": nearest_rank(values, q)
         for name, values in (("health", health), ("TTFT", ttft), ("ITL", gaps))
         for q in (50, 99)
     } | {"health mean": statistics.fmean(health)}

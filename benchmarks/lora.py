@@ -36,29 +36,16 @@ def log(msg: str) -> None:
 
 def make_adapters(base_path: str, num: int, out_dir: Path) -> dict[str, str]:
     """`num` random peft LoRA folders, ranks 8 and 16 alternating."""
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
+    from lmengine.bench.adapters import save_random_lora
 
     paths = {}
-    for rank in (8, 16):
-        names = [f"lora{i}" for i in range(num) if (8 if i % 2 == 0 else 16) == rank]
-        if not names:
-            continue
-        base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
-        cfg = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=TARGETS, lora_dropout=0.0)
-        model = get_peft_model(base, cfg)
-        for name in names:
-            torch.manual_seed(hash(name) % 2**31)
-            with torch.no_grad():
-                for pname, p in model.named_parameters():
-                    if "lora_A" in pname:
-                        p.normal_(0.0, 0.02)
-                    elif "lora_B" in pname:
-                        p.normal_(0.0, 0.02)
-            model.save_pretrained(out_dir / name)
-            paths[name] = str(out_dir / name)
-    return dict(sorted(paths.items(), key=lambda kv: int(kv[0][4:])))
+    for i in range(num):
+        rank = 8 if i % 2 == 0 else 16
+        paths[f"lora{i}"] = save_random_lora(
+            base_path, out_dir / f"lora{i}", seed=i, r=rank, lora_alpha=2 * rank,
+            target_modules=TARGETS,
+        )  # fmt: skip
+    return paths
 
 
 def adapter_names(num_adapters: int, num_prompts: int) -> list[str | None]:

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import random
 import statistics
 import sys
@@ -36,6 +35,7 @@ import time
 from pathlib import Path
 
 from lmengine import Engine, EngineConfig, GenerationConfig
+from lmengine.bench.report import nearest_rank
 from lmengine.scheduler import get_policy
 from lmengine.scheduler.qos import QoS, QoSConfig
 
@@ -59,11 +59,6 @@ FAIR_CONFIG = {
 
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
-
-
-def pct(values: list[float], q: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, max(0, math.ceil(q / 100 * len(s)) - 1))]
 
 
 def tiny_llama() -> str:
@@ -177,7 +172,7 @@ class Bench:
             "total_s": total,
             "req_per_s": len(recs) / total,
             "mean_latency_s": statistics.mean(lat),
-            "p99_latency_s": pct(lat, 99),
+            "p99_latency_s": nearest_rank(lat, 99),
             "mean_ttft_s": statistics.mean(ttft),
         }
 
@@ -320,9 +315,9 @@ class Bench:
         ttft = {
             g: {
                 "n": len(v),
-                "p50_s": pct([x[0] for x in v], 50),
-                "p99_s": pct([x[0] for x in v], 99),
-                "p50_steps": pct([x[1] for x in v], 50),
+                "p50_s": nearest_rank([x[0] for x in v], 50),
+                "p99_s": nearest_rank([x[0] for x in v], 99),
+                "p50_steps": nearest_rank([x[1] for x in v], 50),
                 "max_steps": max(x[1] for x in v),
             }
             for g, v in by_group.items()

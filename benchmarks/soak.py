@@ -36,6 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.serving import start_server  # noqa: E402
+from lmengine.bench.adapters import save_random_lora  # noqa: E402
 from lmengine.bench.report import check_idle, command_line, cpu_model  # noqa: E402
 from lmengine.bench.soak import QOS_CONFIG, Load  # noqa: E402
 from lmengine.bench.soak_watch import (  # noqa: E402
@@ -81,20 +82,7 @@ def make_adapter(model: str, out: Path) -> str | None:
     """A rank-4 LoRA on q_proj and v_proj with random weights (peft starts B at zero), for
     the adapter loads; None when peft cannot make one for this model."""
     try:
-        import torch
-        from peft import LoraConfig, get_peft_model
-        from transformers import AutoModelForCausalLM
-
-        base = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
-        torch.manual_seed(0)
-        lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
-        peft_model = get_peft_model(base, lora)
-        with torch.no_grad():
-            for name, p in peft_model.named_parameters():
-                if "lora_B" in name:
-                    p.normal_(0.0, 0.02)
-        peft_model.save_pretrained(out)
-        return str(out)
+        return save_random_lora(model, out, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
     except Exception as e:  # no peft, no q_proj/v_proj: the soak goes on without adapters
         log(f"no adapter operations: {type(e).__name__}: {e}")
         return None

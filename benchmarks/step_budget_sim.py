@@ -25,6 +25,7 @@ from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from lmengine.bench.report import nearest_rank  # noqa: E402
 from lmengine.scheduler import BlockManager, Scheduler, get_policy  # noqa: E402
 from lmengine.scheduler.budget import StepBudget  # noqa: E402
 from lmengine.scheduler.sequence import Sequence  # noqa: E402
@@ -126,11 +127,6 @@ def run(cost, load: str, budget: StepBudget, prompt: int = 100, new: int = 128, 
     return list(requests.values())
 
 
-def percentile(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, max(0, round(q / 100 * len(values) + 0.5) - 1))]
-
-
 def summary(requests: list[Request]) -> dict[str, float]:
     ttft = [r.times[0] - r.arrival for r in requests]
     gaps = [b - a for r in requests for a, b in zip(r.times, r.times[1:])]
@@ -138,9 +134,9 @@ def summary(requests: list[Request]) -> dict[str, float]:
     return {
         "tok/s": sum(len(r.times) for r in requests) / span,
         "TTFT p50": 1000 * statistics.median(ttft),
-        "TTFT p99": 1000 * percentile(ttft, 99),
+        "TTFT p99": 1000 * nearest_rank(ttft, 99),
         "ITL p50": 1000 * statistics.median(gaps),
-        "ITL p99": 1000 * percentile(gaps, 99),
+        "ITL p99": 1000 * nearest_rank(gaps, 99),
         "max gap": 1000 * max(gaps),
     }
 

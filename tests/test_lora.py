@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from lmengine import Engine, EngineConfig, GenerationConfig
+from lmengine.bench.adapters import save_random_lora
 from tests.conftest import save_tiny_llama
 from tests.engine_utils import random_prompts
 
@@ -43,19 +44,8 @@ MAX_NEW = 10
 
 
 def save_adapter(base_path: str, out_dir, seed: int, **lora_args) -> str:
-    """A peft LoRA with random A and B (peft starts B at zero), saved with save_pretrained."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
-    torch.manual_seed(seed)
-    model = get_peft_model(base, LoraConfig(lora_dropout=0.0, **lora_args))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0.0, 0.1)
-    model.save_pretrained(out_dir)
-    return str(out_dir)
+    """A peft LoRA with random B (N(0, 0.1)), saved with save_pretrained."""
+    return save_random_lora(base_path, out_dir, seed, std=0.1, **lora_args)
 
 
 @functools.lru_cache(maxsize=1)

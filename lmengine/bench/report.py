@@ -3,6 +3,7 @@ every row, first as plain text, then the same as markdown."""
 
 from __future__ import annotations
 
+import math
 import os
 import platform
 import shlex
@@ -15,6 +16,13 @@ from lmengine.bench.results import HF_STATIC, Row, find_row
 
 if TYPE_CHECKING:
     from lmengine.bench.workloads import Bench
+
+
+def nearest_rank(values, q: float) -> float:
+    """The q-th percentile (0-100) by nearest rank: the smallest value with at least q % of
+    `values` at or below it (so always one of them)."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
 
 
 def cpu_model() -> str:

@@ -19,6 +19,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from lmengine.bench.report import nearest_rank
+
 try:  # the HTTP client the installed openai package uses
     import httpx2 as httpx
 except ImportError:
@@ -130,12 +132,7 @@ class Tally:
 def percentiles(values: list[float]) -> dict[str, float | None]:
     if not values:
         return {"p50": None, "p90": None, "p99": None}
-    ordered = sorted(values)
-
-    def at(q: float) -> float:
-        return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 2)
-
-    return {"p50": at(0.5), "p90": at(0.9), "p99": at(0.99)}
+    return {f"p{q}": round(nearest_rank(values, q), 2) for q in (50, 90, 99)}
 
 
 def expected(status: int) -> bool:
