@@ -1,6 +1,7 @@
 """Days of uptime, against a real `lmengine serve` on the tiny model: slow and hostile clients
 meet their bounds (raw sockets: headers and bodies sent a byte at a time or not at all, a
-stream nobody reads, one connection too many) while /health and a normal request stay fast;
+stream nobody reads, one connection too many) while /health and a normal request stay fast
+(within 20 ms of their idle percentiles while such clients keep coming back);
 and the engine loop dying under the server (the test hook LMENGINE_TEST_LOOP_DEATH_AT_STEP)
 ends every request with a 503 within seconds, turns /health to 503 and exits non-zero.
 The dead tensor-parallel worker is tests/test_tp_uptime.py."""
@@ -15,6 +16,7 @@ import time
 
 import pytest
 
+from lmengine.bench.report import nearest_rank
 from tests.test_server import httpx, metrics, server_output, start_server, stop_server, wait_idle
 from tests.test_server_lifecycle import until
 
@@ -24,6 +26,18 @@ WRITE_TIMEOUT = 2.0
 MAX_CONNECTIONS = 8
 HEALTH_MAX_S = 0.5  # generous: the machine is shared; idle it answers in ~1 ms
 CHAT = "/v1/chat/completions"
+
+
+# ~1.7 KB per token (20 alternatives each): the socket's buffers (capped unsent bytes, a 4 KB
+# receive window) fill after ~150 of the 900 tokens, then the send waits
+UNREAD_STREAM = {
+    "messages": [{"role": "user", "content": "Tell me a long story."}],
+    "max_tokens": 900,
+    "ignore_eos": True,
+    "stream": True,
+    "logprobs": True,
+    "top_logprobs": 20,
+}
 
 
 @pytest.fixture(scope="module")
@@ -170,17 +184,7 @@ def test_slow_body_is_cut_at_the_body_timeout(guarded):
 
 def test_stream_nobody_reads_is_cancelled_and_frees_its_blocks(guarded):
     proc, guarded = guarded
-    # ~1.7 KB per token (20 alternatives each): the socket's buffers (capped unsent bytes, a
-    # 4 KB receive window) fill after ~150 of the 900 tokens, then the send waits
-    body = {
-        "messages": [{"role": "user", "content": "Tell me a long story."}],
-        "max_tokens": 900,
-        "ignore_eos": True,
-        "stream": True,
-        "logprobs": True,
-        "top_logprobs": 20,
-    }
-    data = json.dumps(body).encode()
+    data = json.dumps(UNREAD_STREAM).encode()
     before = cancelled(guarded)
     sock = connect(guarded, rcvbuf=4096)
     start = time.monotonic()
@@ -224,6 +228,77 @@ def test_connection_past_the_bound_gets_503(guarded):
     until(lambda: httpx.get(guarded + "/health").status_code == 200)
     errors = metrics(guarded)
     assert errors['lmengine_http_errors_total{status="503"}'] >= 1
+
+
+class Hostile:
+    """Clients that come back as soon as they are cut: `slow_headers` dripping their headers,
+    `slow_bodies` dripping their bodies (a byte every 0.1 s), `unread` streams never read."""
+
+    def __init__(self, url: str, slow_headers: int, slow_bodies: int, unread: int) -> None:
+        self.url, self.stopping, self.connections = url, threading.Event(), 0
+        body = json.dumps({"prompt": "x" * 200, "max_tokens": 2}).encode()
+        stream = json.dumps(UNREAD_STREAM).encode()
+        kinds = [(b"", request_head("/v1/completions", 2) + b"{}", None)] * slow_headers
+        kinds += [(request_head("/v1/completions", len(body)), body, None)] * slow_bodies
+        kinds += [(request_head(CHAT, len(stream)) + stream, b"", 4096)] * unread
+        self.threads = [threading.Thread(target=self.client, args=k, daemon=True) for k in kinds]
+
+    def client(self, at_once: bytes, dripped: bytes, rcvbuf: int | None) -> None:
+        while not self.stopping.is_set():
+            with contextlib.suppress(OSError), connect(self.url, rcvbuf) as sock:
+                self.connections += 1
+                sock.sendall(at_once)
+                for i in range(len(dripped)):  # until the server cuts it (a send fails)
+                    if self.stopping.wait(0.1):
+                        return
+                    sock.sendall(dripped[i : i + 1])
+                if not dripped:  # the unread stream: held past the write timeout
+                    self.stopping.wait(WRITE_TIMEOUT + 2)
+            self.stopping.wait(0.05)
+
+    def __enter__(self) -> Hostile:
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stopping.set()
+        for t in self.threads:
+            t.join(timeout=10)
+
+
+def latencies(url: str, client) -> dict[str, list[float]]:
+    """ms: 40 /health answers 25 ms apart, then the gaps between a normal stream's tokens."""
+    health = []
+    for _ in range(40):
+        start = time.monotonic()
+        assert client.get(url + "/health").status_code == 200
+        health.append((time.monotonic() - start) * 1e3)
+        time.sleep(0.025)
+    body = {"prompt": "hello", "max_tokens": 48, "ignore_eos": True, "stream": True}
+    arrivals = []
+    with client.stream("POST", url + "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                arrivals.append(time.monotonic())
+    assert len(arrivals) >= 40
+    return {"health": health, "itl": [(b - a) * 1e3 for a, b in zip(arrivals, arrivals[1:])]}
+
+
+def test_hostile_clients_keep_health_and_a_stream_within_20_ms_of_idle(guarded):
+    _, guarded = guarded
+    with httpx.Client(timeout=30) as client:  # one connection, made before the hostile ones
+        idle = latencies(guarded, client)
+        with Hostile(guarded, slow_headers=2, slow_bodies=2, unread=1) as hostile:
+            time.sleep(0.5)
+            busy = latencies(guarded, client)
+    assert hostile.connections >= 8  # they were cut and came back meanwhile
+    for key in ("health", "itl"):
+        for q in (50, 90):
+            slack = nearest_rank(busy[key], q) - nearest_rank(idle[key], q)
+            assert slack < 20, (key, q, sorted(idle[key]), sorted(busy[key]))
+    until(lambda: metrics(guarded)["lmengine_kv_blocks_used"] == 0, timeout=30)
 
 
 # ---- crash-only ---------------------------------------------------------------------------------
