@@ -28,7 +28,8 @@ def run_threads(
     starting after t * stagger_s; each thread runs its prompts one after another.
 
     together: the engine loop is held until every thread's first request is queued, so the
-    first step sees all of them waiting (threads alone leave that to timing)."""
+    first step sees all of them waiting (threads alone leave that to timing), queued in
+    thread order (the order decides which fit in a small KV pool first)."""
     num_threads = num_threads or len(prompts)
     configs = gen_config if isinstance(gen_config, list) else [gen_config] * len(prompts)
     results: list[Response | None] = [None] * len(prompts)
@@ -41,6 +42,11 @@ def run_threads(
             start.wait(timeout=60)  # all threads ready: then stagger_s=0 means "at once"
             time.sleep(t * stagger_s)
             inst = engine.create_instance()
+            if together:  # queued in thread order: after the t threads before this one
+                deadline = time.monotonic() + 60
+                while engine.request_manager.num_pending() < t:
+                    assert time.monotonic() < deadline, "an earlier thread never queued"
+                    time.sleep(0.0005)
             for i in range(t, len(prompts), num_threads):
                 results[i] = inst.infer(i, prompts[i], gen_config=configs[i])
         except BaseException as e:  # surfaced below, in the test thread
