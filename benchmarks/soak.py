@@ -7,15 +7,19 @@ It starts the server (flags after `--` are passed to `lmengine serve`, after the
 `--max-queued-requests`, a QoS config, `--enable-lora-updates --lora-root` with a tiny random
 LoRA adapter made with peft), runs the client mix of lmengine/bench/soak.py for a warm-up
 minute, lets the server go idle and takes its post-warm-up snapshot, then runs the mix for
-`--minutes`. Every `--every` seconds it samples the server's RSS, open file descriptors and
-threads (/proc/<pid>), KV blocks in use and its bounded tables (/metrics), /health latency and
-the answers by status; per minute the TTFT and inter-token latency percentiles of the streams.
-At the end it lets the server go idle again and checks that every KV block is free and RSS is
-within `--rss-tolerance` of its post-warm-up value.
+`--minutes`, pausing every `--idle-every` minutes (10) until the server is idle and taking its
+idle snapshot there too: an idle RSS that levels off from checkpoint to checkpoint is a
+bounded cache filling, one that climbs steadily a leak. Every `--every` seconds it samples the
+server's RSS, open file descriptors and threads (/proc/<pid>), KV blocks in use and its
+bounded tables (/metrics), /health latency and the answers by status; per minute the TTFT and
+inter-token latency percentiles of the streams. At the end it lets the server go idle again
+and checks that every KV block is free and RSS is within `--rss-tolerance` of its post-warm-up
+value.
 
 Output: a JSON report (`--json`: CPU model, date, flags, the series, each series' drift: the
 first 5 minutes against the last 5, or the first fifth against the last for runs under 25
-minutes, the latency per minute, answers by operation and status, the final checks) and a PNG
+minutes, the latency per minute, answers by operation and status, the idle checkpoints, the
+final checks) and a PNG
 of each series over time (`--plot`; needs matplotlib, skipped without it). The machine must be
 idle before it starts (`--force` goes on anyway). Exit status 1 when any 5xx other than the
 deliberate ones came back or a connection was lost, a KV block was still held once idle, or
@@ -64,6 +68,8 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--queue-limit", type=int, default=16, help="the server's queue limit")
     p.add_argument("--max-tokens", type=int, default=24, help="tokens per ordinary request")
     p.add_argument("--rss-tolerance", type=float, default=0.05, help="fraction, once idle")
+    p.add_argument("--idle-every", type=float, default=10.0,
+                   help="minutes of load between idle checkpoints (0: none)")  # fmt: skip
     p.add_argument("--json", default="soak.json", help="the report")
     p.add_argument("--plot", default="soak.png", help="the series over time ('' for none)")
     p.add_argument("--port", type=int, default=0, help="0: a free one")
@@ -122,6 +128,15 @@ def plot(report: dict, path: str) -> None:
     log(f"wrote {path}")
 
 
+def segments(minutes: float, every: float) -> list[float]:
+    """The soak's minutes cut at every `every` minutes (0: in one piece)."""
+    if every <= 0 or every >= minutes:
+        return [minutes]
+    cuts = [every] * int(minutes // every)
+    rest = minutes - sum(cuts)
+    return cuts + [rest] if rest > 1e-9 else cuts
+
+
 def main(argv: list[str] | None = None) -> int:
     args, serve_flags = parse(sys.argv[1:] if argv is None else argv)
     from lmengine.engine.loader import resolve_model_path
@@ -153,7 +168,13 @@ def main(argv: list[str] | None = None) -> int:
         watcher = Watcher(proc.pid, url, load.tally, every_s=args.every)
         watcher.start()
         log(f"soak: {args.minutes:g} min, {args.workers} clients")
-        tally = load.run(args.minutes * 60, args.workers)
+        checkpoints = []
+        for minutes in segments(args.minutes, args.idle_every):
+            tally = load.run(minutes * 60, args.workers)
+            if len(checkpoints) + 1 < len(segments(args.minutes, args.idle_every)):
+                wait_idle(url)  # the load pauses: idle RSS, the allocator's memory handed back
+                checkpoints.append({"t": watcher.elapsed(), **snapshot(proc.pid, url)})
+                log(f"idle checkpoint: {checkpoints[-1]}")
         series = watcher.stop()
         final = idle_check(proc.pid, url, baseline, rss_tolerance=args.rss_tolerance)
     finally:
@@ -178,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         "num_unexpected": tally.num_unexpected,
         "num_unexpected_5xx": num_5xx,
         "num_lost_connections": tally.num_lost,
+        "idle_checkpoints": checkpoints,
         "final": final,
         "server_exit_code": exit_code,
     }
@@ -188,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, d in report["drift"].items():
         print(f"{name:>15}: {d['first']:>10} -> {d['last']:>10} ({d['change']:+})")
     print(f"answers: {tally.statuses()}; unexpected: {tally.num_unexpected} ({num_5xx} 5xx)")
+    idle_rss = [round(c["rss_mb"]) for c in checkpoints] + [round(final["idle"]["rss_mb"])]
+    print(f"idle RSS (MB): after the warm-up {round(baseline['rss_mb'])}, then {idle_rss}")
     print(f"idle again: {final['checks']}, RSS {final['rss_change']:+.1%}")
     failed = num_5xx > 0 or tally.num_lost > 0 or not final["passed"] or exit_code != 0
     return 1 if failed else 0
