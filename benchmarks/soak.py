@@ -169,9 +169,10 @@ def main(argv: list[str] | None = None) -> int:
         watcher.start()
         log(f"soak: {args.minutes:g} min, {args.workers} clients")
         checkpoints = []
-        for minutes in segments(args.minutes, args.idle_every):
+        pieces = segments(args.minutes, args.idle_every)
+        for i, minutes in enumerate(pieces):
             tally = load.run(minutes * 60, args.workers)
-            if len(checkpoints) + 1 < len(segments(args.minutes, args.idle_every)):
+            if i + 1 < len(pieces):
                 wait_idle(url)  # the load pauses: idle RSS, the allocator's memory handed back
                 checkpoints.append({"t": watcher.elapsed(), **snapshot(proc.pid, url)})
                 log(f"idle checkpoint: {checkpoints[-1]}")

@@ -96,12 +96,15 @@ def request_head(path: str, length: int, method: str = "POST") -> bytes:
     ).encode()
 
 
-def drip(sock: socket.socket, data: bytes, every: float) -> None:
-    """Send `data` a byte at a time until the server closes the connection."""
+def drip(sock: socket.socket, data: bytes, every: float, stop: threading.Event | None = None):
+    """Send `data` a byte at a time until the server closes the connection (or `stop` is
+    set)."""
+    stop = stop or threading.Event()
     with contextlib.suppress(OSError):
         for i in range(len(data)):
             sock.sendall(data[i : i + 1])
-            time.sleep(every)
+            if stop.wait(every):
+                return
 
 
 class Timed(threading.Thread):
@@ -248,10 +251,7 @@ class Hostile:
             with contextlib.suppress(OSError), connect(self.url, rcvbuf) as sock:
                 self.connections += 1
                 sock.sendall(at_once)
-                for i in range(len(dripped)):  # until the server cuts it (a send fails)
-                    if self.stopping.wait(0.1):
-                        return
-                    sock.sendall(dripped[i : i + 1])
+                drip(sock, dripped, 0.1, self.stopping)  # until the server cuts it
                 if not dripped:  # the unread stream: held past the write timeout
                     self.stopping.wait(WRITE_TIMEOUT + 2)
             self.stopping.wait(0.05)
