@@ -6,9 +6,10 @@
 It starts the server (flags after `--` are passed to `lmengine serve`, after the soak's own:
 `--max-queued-requests`, a QoS config, `--enable-lora-updates --lora-root` with a tiny random
 LoRA adapter made with peft), runs the client mix of lmengine/bench/soak.py for a warm-up
-minute, lets the server go idle and takes its post-warm-up snapshot, then runs the mix for
-`--minutes`, pausing every `--idle-every` minutes (10) until the server is idle and taking its
-idle snapshot there too: an idle RSS that levels off from checkpoint to checkpoint is a
+(`--warmup-minutes`, 15: long enough for the caches bounded by size, such as oneDNN's compiled
+GEMMs, to fill), lets the server go idle and takes its post-warm-up snapshot, then runs the mix
+for `--minutes`, pausing every `--idle-every` minutes (10) until the server is idle and taking
+its idle snapshot there too: an idle RSS that levels off from checkpoint to checkpoint is a
 bounded cache filling, one that climbs steadily a leak. Every `--every` seconds it samples the
 server's RSS, open file descriptors and threads (/proc/<pid>), KV blocks in use and its
 bounded tables (/metrics), /health latency and the answers by status; per minute the TTFT and
@@ -62,7 +63,9 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     p.add_argument("--model", default=None, help="model folder or hub id (default: SmolLM2)")
     p.add_argument("--minutes", type=float, default=60.0, help="length of the soak")
-    p.add_argument("--warmup-minutes", type=float, default=1.0)
+    # long enough for the bounded caches that fill with traffic (oneDNN's compiled GEMMs, one
+    # per row count) to be full: a SmolLM2 soak's idle RSS levels off after ~12 minutes
+    p.add_argument("--warmup-minutes", type=float, default=15.0)
     p.add_argument("--workers", type=int, default=4, help="concurrent clients")
     p.add_argument("--every", type=float, default=5.0, help="seconds between samples")
     p.add_argument("--queue-limit", type=int, default=16, help="the server's queue limit")

@@ -54,6 +54,9 @@ WORDS = "the a river city cloud stone light quiet seven bright under over story"
 # deliberate refusals: 429 (queue full) for any generation, and in a burst also 503 from the
 # connection bound (`too_many_connections`); every other 5xx is a failure
 QUEUE_FULL = 429
+# after a 429 a client waits as the server's Retry-After asks (the openai client does so too),
+# rather than asking again at once for as long as a burst fills the queue
+RETRY_AFTER_S = 1.0
 
 
 @dataclass
@@ -210,6 +213,8 @@ class Load:
                     except httpx.HTTPError as e:  # a lost connection is never expected
                         out = Outcome(name, 0, False, f"{type(e).__name__}: {e}")
                     self.tally.add(out)
+                    if out.status == QUEUE_FULL:
+                        time.sleep(RETRY_AFTER_S)
 
         threads = [threading.Thread(target=worker, args=(i,), daemon=True)
                    for i in range(num_workers)]  # fmt: skip
