@@ -57,6 +57,7 @@ def with_and_without_loop(monkeypatch, path, cfg, prompts):
     [
         ("float32", 1, True),
         ("float32", 5, True),  # the float32 GEMV serves up to 8 rows
+        ("float32", 12, None),  # ... and up to 24 without AVX-512
         ("bfloat16", 1, True),
         ("bfloat16", 3, True),
         ("bfloat16", 5, False),  # 4+ rows: oneDNN's tiles, the modules' path
@@ -67,8 +68,10 @@ def test_the_loop_gives_the_modules_logprobs(
 ):
     if dtype == "bfloat16" and not cpu_ext.load().bf16_gemv_available():
         pytest.skip("the bfloat16 GEMV needs AVX-512")
-    prompts = random_prompts([3, 17, 9, 30, 5][:batch], 49152, seed=batch)
-    cfg = EngineConfig(dtype=dtype, block_size=4, num_gpu_blocks=64)
+    if looped is None:
+        looped = batch <= cpu_ext.load().gemv_max_rows()
+    prompts = random_prompts(([3, 17, 9, 30, 5] * 3)[:batch], 49152, seed=batch)
+    cfg = EngineConfig(dtype=dtype, block_size=4, num_gpu_blocks=128)
     modules, looped_out = with_and_without_loop(monkeypatch, tiny_llama_path, cfg, prompts)
     assert looped_out == modules  # token ids and every logprob, bit for bit
     assert bool(loop_calls) == looped

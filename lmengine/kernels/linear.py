@@ -1,5 +1,6 @@
-"""Linear layers on CPU: a weight-streaming GEMV for a few rows, and from 9 rows a GEMM on a
-weight packed once at load: by MKL on Intel CPUs, by oneDNN elsewhere.
+"""Linear layers on CPU: a weight-streaming GEMV for a few rows (up to 8; 24 on CPUs without
+AVX-512), and from there a GEMM on a weight packed once at load: by MKL on Intel CPUs, by
+oneDNN elsewhere.
 
 Measured on the 2-core Intel Xeon of sessions 1-6, float32, weights streamed from memory as in
 a real forward (all of SmolLM2-135M's linears, best of interleaved runs):
@@ -8,7 +9,10 @@ a real forward (all of SmolLM2-135M's linears, best of interleaved runs):
   for MKL's GEMV at one row and ~9-12 GB/s for oneDNN at 2-8 rows: 13 % faster than MKL at one
   row, 25-45 % faster than oneDNN at 2-8. On an AMD EPYC Zen 3 (AVX2, session 10), after one
   row took four accumulators per step: 16-20 GB/s against MKL's 9-11 GB/s (the old two-
-  accumulator loop 13-15 GB/s).
+  accumulator loop 13-15 GB/s). With AVX2 alone, 2-24 rows take their own kernels sized to its
+  16 registers: SmolLM2's linears (30 layers) at 2 / 4 / 8 / 12 / 16 / 24 rows in 19 / 20 / 22
+  / 28 / 37 / 48 ms against oneDNN's 20 / 24 / 29 / 34 / 40 / 50 (before, at 8 rows: 106 ms,
+  the accumulators spilling), on an AMD EPYC Zen 3, 2026-11-28.
 - From 9 rows, on Intel: MKL's packed GEMM (kernels/csrc/sgemm_packed_ops.cpp) on a weight
   packed once for 512 rows. On an Intel Xeon (family 6, model 167), GFLOP/s at 17 / 32 / 64 /
   117 / 256 / 1,024 / 2,048 rows: 133 / 204 / 294 / 354 / 399 / 403 / 391, against oneDNN on
@@ -58,7 +62,6 @@ _PACK_BATCH_HINT = 64  # oneDNN picks the packed layout for this many rows
 # MKL's layout for this many rows is the fastest from 9 to 2,048 rows (measured: 256 and 512
 # alike; 768 and 1,024 pick a layout ~1.3-1.5x slower below 1,024 rows)
 _MKL_PACK_ROWS = 512
-_MAX_GEMV_ROWS = 8  # up to this many rows the compiled weight-streaming GEMV is fastest
 _MAX_ROWS_FOR_ONEDNN = 1023  # from ~1k rows (large prefills) MKL unpacked beats oneDNN on Intel
 # bfloat16: the compiled GEMV streams the weights faster than oneDNN's AMX kernels up to 3 rows
 # (1.3-3x at one row on SmolLM2's shapes); from 4 rows AMX's tiles win
@@ -119,7 +122,7 @@ def linear(
         return F.linear(x, weight, bias)
     if weight.dtype == torch.bfloat16:
         return _linear_bf16(x, weight, bias, packed)
-    if rows <= _MAX_GEMV_ROWS:
+    if rows <= max_gemv_rows():
         gemv = _gemv_kernel()
         if gemv is not None and x.shape[1] % 16 == 0 and weight.is_contiguous():
             return gemv(x.contiguous(), weight, bias)
@@ -164,6 +167,14 @@ def _bf16_tiles_kernels():
 def _bf16_gemv_built(module) -> bool:
     """Whether `module` has the bfloat16 GEMV (an AVX-512 build): asked once, not per call."""
     return module.bf16_gemv_available()
+
+
+@functools.cache
+def max_gemv_rows() -> int:
+    """Up to this many rows the compiled weight-streaming GEMV is the fastest: 8, or 24 on a CPU
+    without AVX-512 (where it runs 9-24 rows faster than oneDNN); 0 without the kernels."""
+    module = cpu_ext.load()
+    return 0 if module is None else module.gemv_max_rows()
 
 
 def _gemv_kernel():

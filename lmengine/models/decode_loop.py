@@ -11,7 +11,8 @@ bit-identical to the modules' forward. It applies when
   no forward hooks on any of its modules), with float32 or bfloat16 weights that the compiled
   GEMVs take, or GGUF blocks of one type per linear;
 - the step is decode only (one token per sequence, in order), with at most as many rows as the
-  GEMVs serve (float32 and GGUF: 8, bfloat16: 3), no research hooks and a float cache;
+  GEMVs serve (float32: 8, or 24 without AVX-512; GGUF: 8; bfloat16: 3), no research hooks and
+  a float cache;
 - the compiled kernels are built and `LMENGINE_DECODE_LOOP` is not `0`.
 
 Anything else runs the modules. The loop holds references to the weights; it is rebuilt when a
@@ -31,13 +32,12 @@ from transformers.activations import SiLUActivation
 
 from lmengine.kernels import cpu_ext
 from lmengine.kernels.gguf import MAX_GEMV_ROWS as _GGUF_GEMV_ROWS
-from lmengine.kernels.linear import _MAX_BF16_GEMV_ROWS, _MAX_GEMV_ROWS, _bf16_gemv_built
+from lmengine.kernels.linear import _MAX_BF16_GEMV_ROWS, _bf16_gemv_built, max_gemv_rows
 from lmengine.models.attention import PagedAttentionMixin
 from lmengine.models.context import StepContext
 from lmengine.models.layers import GGUFLinear, MergedLinear, PackedLinear
 
 _FLOAT32, _BFLOAT16, _GGUF = 0, 1, 2  # DecodeLoop's weights kinds
-_MAX_ROWS = {_FLOAT32: _MAX_GEMV_ROWS, _BFLOAT16: _MAX_BF16_GEMV_ROWS, _GGUF: _GGUF_GEMV_ROWS}
 _ACTIVATIONS = {_FLOAT32: torch.float32, _BFLOAT16: torch.bfloat16, _GGUF: torch.float32}
 _K_MULTIPLE = {_FLOAT32: 16, _BFLOAT16: 32, _GGUF: 1}  # the GEMVs' input width (GGUF: checked)
 
@@ -132,12 +132,17 @@ def _step_fits(built: _Built, hidden_states: torch.Tensor, ctx: StepContext) -> 
     dtype = _ACTIVATIONS[built.kind]
     k_cache = ctx.kv_caches[0][0]
     return (
-        1 <= hidden_states.shape[0] <= _MAX_ROWS[built.kind]
+        1 <= hidden_states.shape[0] <= _max_rows(built.kind)
         and hidden_states.dtype == dtype
         and ctx.cos.dtype == dtype
         and k_cache.dtype == dtype
         and ctx.cos.shape[-1] == k_cache.shape[-1]  # full rotary
     )
+
+
+def _max_rows(kind: int) -> int:
+    """The most rows a step may have to take the loop: what its GEMVs serve."""
+    return {_FLOAT32: max_gemv_rows(), _BFLOAT16: _MAX_BF16_GEMV_ROWS, _GGUF: _GGUF_GEMV_ROWS}[kind]
 
 
 def _build(layers: list[nn.Module], classes: LayerClasses) -> _Built | None:

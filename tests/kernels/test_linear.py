@@ -24,10 +24,15 @@ def test_linear_matches_f_linear(rows, in_features, with_bias):
     torch.testing.assert_close(out, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("rows", range(1, 9))
+# 9-24: in passes, on CPUs without AVX-512
+@pytest.mark.parametrize("rows", [*range(1, 10), 12, 13, 17, 24, 25])
 @pytest.mark.parametrize("in_features", [16, 48, 576])  # K % 32: 16, 16, 0
 @pytest.mark.parametrize("threads", [1, 2])
 def test_gemv_matches_f_linear(ext, rows, in_features, threads):
+    if rows > ext.gemv_max_rows():
+        with pytest.raises(RuntimeError, match="rows"):
+            ext.gemv(torch.randn(rows, in_features), torch.randn(8, in_features))
+        return
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -46,8 +51,10 @@ def test_gemv_matches_f_linear(ext, rows, in_features, threads):
 
 def test_gemv_rejects_what_it_cannot_run(ext):
     w = torch.randn(8, 32)
-    with pytest.raises(RuntimeError, match="1 to 8 rows"):
-        ext.gemv(torch.randn(9, 32), w)
+    most = ext.gemv_max_rows()
+    assert most in (8, 24)
+    with pytest.raises(RuntimeError, match=f"1 to {most} rows"):
+        ext.gemv(torch.randn(most + 1, 32), w)
     with pytest.raises(RuntimeError, match="multiple of 16"):
         ext.gemv(torch.randn(1, 24), torch.randn(8, 24))
     with pytest.raises(RuntimeError, match=r"\[M, K\]"):
@@ -68,10 +75,10 @@ def test_linear_takes_the_gemv_for_few_rows_only(ext, monkeypatch):
     monkeypatch.setattr(linear_module, "_gemv_kernel", lambda: counting_gemv)
     weight = torch.randn(40, 32)
     packed = pack_weight(weight)
-    for rows in (1, 8, 9, 64):
+    for rows in (1, 8, 9, 16, 17, 64):
         linear(torch.randn(rows, 32), weight, None, packed)
     linear(torch.randn(1, 32), weight, None, None)  # not packed: not a CPU float32 weight
-    assert calls == [1, 8]
+    assert calls == [r for r in (1, 8, 9, 16, 17, 64) if r <= ext.gemv_max_rows()]
 
 
 @pytest.mark.parametrize("intel", [True, False])
@@ -94,12 +101,14 @@ def test_gemms_go_to_mkl_packs_on_intel_and_onednn_elsewhere(ext, intel, monkeyp
     weight, bias = torch.randn(40, 32), torch.randn(40)
     packed = pack_weight(weight)
     assert packed.dtype == (torch.uint8 if intel else torch.float32)
-    for rows in (1, 8, 9, 117, 1023, 1024, 3000):
+    all_rows = (1, 8, 9, 17, 117, 1023, 1024, 3000)
+    for rows in all_rows:
         x = torch.randn(rows, 32)
         out = linear(x, weight, bias, packed)
         torch.testing.assert_close(out, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
     big = "mkl" if intel else "onednn"
-    assert used == [("gemv", 1), ("gemv", 8)] + [(big, r) for r in (9, 117, 1023, 1024, 3000)]
+    most = ext.gemv_max_rows()
+    assert used == [("gemv" if r <= most else big, r) for r in all_rows]
 
 
 @pytest.mark.parametrize("intel", [True, False])
