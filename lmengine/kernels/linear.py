@@ -10,9 +10,10 @@ a real forward (all of SmolLM2-135M's linears, best of interleaved runs):
   row, 25-45 % faster than oneDNN at 2-8. On an AMD EPYC Zen 3 (AVX2, session 10), after one
   row took four accumulators per step: 16-20 GB/s against MKL's 9-11 GB/s (the old two-
   accumulator loop 13-15 GB/s). With AVX2 alone, 2-24 rows take their own kernels sized to its
-  16 registers: SmolLM2's linears (30 layers) at 2 / 4 / 8 / 12 / 16 / 24 rows in 19 / 20 / 22
-  / 28 / 37 / 48 ms against oneDNN's 20 / 24 / 29 / 34 / 40 / 50 (before, at 8 rows: 106 ms,
-  the accumulators spilling), on an AMD EPYC Zen 3, 2026-11-28.
+  16 registers, summing in one order at every row count: SmolLM2's linears (30 layers) at 2 / 4
+  / 8 / 12 / 16 / 24 rows in 17 / 18 / 21 / 30 / 38 / 48 ms against oneDNN's 20 / 24 / 29 / 36
+  / 44 / 52 (before, at 8 rows: 106 ms, the accumulators spilling), on an AMD EPYC Zen 3,
+  2026-11-28.
 - From 9 rows, on Intel: MKL's packed GEMM (kernels/csrc/sgemm_packed_ops.cpp) on a weight
   packed once for 512 rows. On an Intel Xeon (family 6, model 167), GFLOP/s at 17 / 32 / 64 /
   117 / 256 / 1,024 / 2,048 rows: 133 / 204 / 294 / 354 / 399 / 403 / 391, against oneDNN on

@@ -57,45 +57,36 @@ void gemv_rows(const float* x, const float* w, const float* bias, float* y, int6
 }
 
 #if !defined(__AVX512F__)
-// Two to eight rows without AVX-512: sixteen AVX registers, so gemv_rows' two 16-float
-// vectors per input row (four registers each row) spill from three rows on, and the kernel
-// ran at the speed of its spills: on an AMD EPYC Zen 3 SmolLM2's linears took 106 ms at eight
-// rows against 17 at one (oneDNN: 29). Here each step takes kVec 8-float vectors of one weight
-// row, as many as leave every accumulator (kM x kVec), the weights (kVec) and one input vector
-// in registers.
+// Two to 24 rows without AVX-512: sixteen AVX registers, so gemv_rows' two 16-float vectors
+// per input row (four registers each row) spill from three rows on, and the kernel ran at the
+// speed of its spills: on an AMD EPYC Zen 3 SmolLM2's linears took 106 ms at eight rows against
+// 17 at one (oneDNN: 29). Here every output sums its products in one order whatever the row
+// count, so that a token's logits do not depend on how many rows share its step (scoring a
+// text alone or in a batch gives the same bits): one 8-float accumulator per output, over K
+// front to back, then its lanes in order.
 typedef float v8f __attribute__((vector_size(32), aligned(4)));
 
 inline v8f load8(const float* p) { return *reinterpret_cast<const v8f*>(p); }
 
+inline float sum8(v8f a) {
+  float s = 0.f;
+  for (int j = 0; j < 8; ++j) s += a[j];
+  return s;
+}
+
+// kM input rows against one weight row at a time (2-8 rows: one pass, the weights one stream)
 template <int kM>
 void gemv_rows_avx2(const float* x, const float* w, const float* bias, float* y, int64_t k,
                     int64_t n, int64_t r0, int64_t r1) {
-  constexpr int kVec = std::max(1, std::min(4, 15 / (kM + 1)));
-  constexpr int64_t kStep = 8 * kVec;
   for (int64_t r = r0; r < r1; ++r) {
     const float* wr = w + r * k;
-    v8f acc[kM][kVec] = {};
-    int64_t i = 0;
-    for (; i + kStep <= k; i += kStep) {
-      v8f wv[kVec];
-      for (int v = 0; v < kVec; ++v) {
-        if ((8 * v) % 16 == 0) __builtin_prefetch(wr + i + 8 * v + kPrefetch);
-        wv[v] = load8(wr + i + 8 * v);
-      }
-      for (int m = 0; m < kM; ++m)
-        for (int v = 0; v < kVec; ++v) acc[m][v] += load8(x + m * k + i + 8 * v) * wv[v];
+    v8f acc[kM] = {};
+    for (int64_t i = 0; i < k; i += 8) {
+      if (i % 16 == 0) __builtin_prefetch(wr + i + kPrefetch);
+      const v8f wv = load8(wr + i);
+      for (int m = 0; m < kM; ++m) acc[m] += load8(x + m * k + i) * wv;
     }
-    for (; i < k; i += 8) {  // the last k % kStep elements
-      const v8f w0 = load8(wr + i);
-      for (int m = 0; m < kM; ++m) acc[m][0] += load8(x + m * k + i) * w0;
-    }
-    for (int m = 0; m < kM; ++m) {
-      v8f total = acc[m][0];
-      for (int v = 1; v < kVec; ++v) total += acc[m][v];
-      float s = 0.f;
-      for (int j = 0; j < 8; ++j) s += total[j];
-      y[m * n + r] = s + (bias ? bias[r] : 0.f);
-    }
+    for (int m = 0; m < kM; ++m) y[m * n + r] = sum8(acc[m]) + (bias ? bias[r] : 0.f);
   }
 }
 
@@ -122,13 +113,8 @@ void gemv_rows_avx2_pairs(const float* x, const float* w, const float* bias, flo
       }
     }
     for (int m = 0; m < kM; ++m) {
-      float s0 = 0.f, s1 = 0.f;
-      for (int j = 0; j < 8; ++j) {
-        s0 += acc0[m][j];
-        s1 += acc1[m][j];
-      }
-      y[m * n + r] = s0 + (bias ? bias[r] : 0.f);
-      y[m * n + r + 1] = s1 + (bias ? bias[r + 1] : 0.f);
+      y[m * n + r] = sum8(acc0[m]) + (bias ? bias[r] : 0.f);
+      y[m * n + r + 1] = sum8(acc1[m]) + (bias ? bias[r + 1] : 0.f);
     }
   }
   if (r < r1) gemv_rows_avx2<kM>(x, w, bias, y, k, n, r, r1);
@@ -214,6 +200,6 @@ void register_gemv_ops(py::module& m) {
   m.def("gemv", &gemv, release_gil(),
         "float32 x [M<=gemv_max_rows(), K] @ w[N, K]^T (+ bias): a weight-streaming GEMV",
         py::arg("x"), py::arg("w"), py::arg("bias") = py::none());
-  m.def("gemv_max_rows", &gemv_max_rows,
+  m.def("gemv_max_rows", &gemv_max_rows, release_gil(),
         "the most rows gemv takes: 8, or 24 on CPUs without AVX-512");
 }
