@@ -55,6 +55,7 @@ class _Built:
 
     def __init__(self, loop, kind: int, modules: list[nn.Module], tensors: list) -> None:
         self.loop, self.kind = loop, kind
+        self.max_rows = _max_rows(kind)  # the most rows a step may have to take the loop
         self.modules = modules
         self.classes = [type(m) for m in modules]
         # where each tensor the loop holds lives (`tensors`: (module, attribute, tensor)): a
@@ -132,7 +133,7 @@ def _step_fits(built: _Built, hidden_states: torch.Tensor, ctx: StepContext) -> 
     dtype = _ACTIVATIONS[built.kind]
     k_cache = ctx.kv_caches[0][0]
     return (
-        1 <= hidden_states.shape[0] <= _max_rows(built.kind)
+        1 <= hidden_states.shape[0] <= built.max_rows
         and hidden_states.dtype == dtype
         and ctx.cos.dtype == dtype
         and k_cache.dtype == dtype
