@@ -218,3 +218,26 @@ def test_greedy_is_torch_argmax_with_ties_infs_and_nans(compiled, monkeypatch):
     tokens = greedy(x)  # ... and greedy skips it
     assert tokens[4] == x[4].nan_to_num(nan=float("-inf")).argmax()
     assert torch.equal(tokens[[0, 1, 2, 3, 5]], x[[0, 1, 2, 3, 5]].argmax(-1))
+
+
+@pytest.mark.parametrize("width", [1, 15, 16, 31, 32, 33, 65, 1000, 49157])
+def test_the_compiled_argmax_is_torch_argmax_at_every_width(width):
+    """The compiled argmax keeps a maximum per vector lane and merges the lanes and the tail
+    at the end: the first maximum must win wherever the ties fall (in one lane, across lanes,
+    in the tail), and a NaN anywhere must win as in torch."""
+    from lmengine.kernels import cpu_ext
+
+    ext = cpu_ext.load()
+    if ext is None:
+        pytest.skip("needs the compiled CPU kernels")
+    gen = torch.Generator().manual_seed(width)
+    for trial in range(20):
+        x = torch.randint(-3, 3, (6, width), generator=gen).float()  # ties everywhere
+        x[1] = float("-inf")
+        x[1, width // 2] = -1e30
+        x[2, (3 * width) // 4] = float("nan")
+        x[3, width - 1] = x[3, 0] = float("inf")
+        x[4] = -0.0
+        x[4, width // 3] = 0.0  # -0.0 == 0.0: the first of them wins
+        x[5, torch.randint(0, width, (3,), generator=gen)] = 7.0
+        assert torch.equal(ext.argmax_rows(x), x.argmax(-1)), trial

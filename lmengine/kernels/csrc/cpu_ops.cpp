@@ -554,34 +554,61 @@ at::Tensor paged_decode_attention_bf16(const at::Tensor& q, const at::Tensor& k_
   return out;
 }
 
+// The first index of the maximum of row[0, n), or of its first NaN if it has one (torch.argmax's
+// answer). One pass: two sets of 16 lanes each keep their running maximum and where it was first
+// seen (a strictly larger value replaces it, so a lane keeps its earliest), and a NaN flag;
+// then the lanes holding the overall maximum give the smallest index, and the tail comes last.
+// (A maximum pass, then a scan for it, read the row twice and took 2.3 ms for 64 x 49,152
+// logits; this pass takes 0.3.)
+inline int64_t argmax_row(const float* row, int64_t n) {
+  constexpr float kLowest = -std::numeric_limits<float>::infinity();
+  const v16f lowest = v16f{} + kLowest;
+  v16f best0 = lowest, best1 = lowest;
+  const v16i32 lanes = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  v16i32 at0 = {}, at1 = {}, nan = {};
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    const v16f x0 = load16(row + i), x1 = load16(row + i + 16);
+    const v16i32 i0 = lanes + static_cast<int32_t>(i), i1 = i0 + 16;
+    const v16i32 up0 = x0 > best0, up1 = x1 > best1;
+    best0 = up0 ? x0 : best0;
+    best1 = up1 ? x1 : best1;
+    at0 = up0 ? i0 : at0;
+    at1 = up1 ? i1 : at1;
+    nan |= (x0 != x0) | (x1 != x1);
+  }
+  float best = kLowest;
+  int64_t at = 0;
+  bool has_nan = false;
+  for (int l = 0; l < 32; ++l) {  // the lanes, then the tail: earliest index among the best
+    const float v = l < 16 ? best0[l] : best1[l - 16];
+    const int64_t j = l < 16 ? at0[l] : at1[l - 16];
+    has_nan |= nan[l % 16] != 0;
+    if (v > best || (v == best && j < at)) best = v, at = j;
+  }
+  for (; i < n; ++i) {
+    has_nan |= row[i] != row[i];
+    if (row[i] > best) best = row[i], at = i;
+  }
+  if (has_nan) {
+    at = 0;
+    while (row[at] == row[at]) ++at;
+  }
+  return at;
+}
+
 // Index of the largest value of every row of x [M, N] float32 -> [M] int64: the first
-// maximum, or the first NaN of a row that has one (torch.argmax's answer, ~10x faster here:
-// a vectorised max, then a scan for its first occurrence while the row is still in cache).
+// maximum, or the first NaN of a row that has one (torch.argmax's answer, ~10x faster here).
 at::Tensor argmax_rows(const at::Tensor& x) {
   check_cpu_f32(x, "x");
   TORCH_CHECK(x.dim() == 2 && x.size(1) > 0, "argmax_rows: x must be [M, N] with N > 0");
   const int64_t m = x.size(0), n = x.size(1);
+  TORCH_CHECK(n < std::numeric_limits<int32_t>::max(), "argmax_rows: rows too long");
   auto out = at::empty({m}, x.options().dtype(at::kLong));
   const float* xp = x.data_ptr<float>();
   int64_t* op = out.data_ptr<int64_t>();
   at::parallel_for(0, m, rows_per_task(n, 65536), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const float* row = xp + r * n;
-      float best = -std::numeric_limits<float>::infinity();
-      int nan = 0;
-#pragma omp simd reduction(max : best) reduction(| : nan)
-      for (int64_t i = 0; i < n; ++i) {
-        best = std::max(best, row[i]);
-        nan |= row[i] != row[i];
-      }
-      int64_t at = 0;
-      if (nan) {
-        while (row[at] == row[at]) ++at;
-      } else {
-        while (at < n - 1 && row[at] != best) ++at;
-      }
-      op[r] = at;
-    }
+    for (int64_t r = begin; r < end; ++r) op[r] = argmax_row(xp + r * n, n);
   });
   return out;
 }
