@@ -1,8 +1,9 @@
-"""The compiled decode loop (models/decode_loop.py): small decode steps run every layer in one
-native call and give bit-identical log-probabilities to the modules' forward, in float32,
-bfloat16 and on GGUF blocks; steps and models it does not serve (more rows than the GEMVs take,
-LoRA, research hooks, an int8 cache, forward hooks, a replaced weight) run the modules or a
-rebuilt loop, and stay exact."""
+"""The compiled decode loop (models/decode_loop.py): decode steps run every layer in one native
+call and give bit-identical log-probabilities to the modules' forward, in float32 and bfloat16
+at every row count (each linear on the route the modules take: GEMV, MKL's or oneDNN's packed
+GEMM) and on GGUF blocks; steps and models it does not serve (more rows than the GGUF GEMV
+takes, LoRA, research hooks, an int8 cache, forward hooks, a replaced weight) run the modules or
+a rebuilt loop, and stay exact."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from gguf import GGMLQuantizationType as Q
 
 from lmengine import Engine, EngineConfig, GenerationConfig
 from lmengine.kernels import cpu_ext
+from lmengine.kernels.linear import can_pack
 from lmengine.models import llama
 from tests.engine_utils import random_prompts, run_threads
 from tests.test_gguf_models import write_llama_gguf
@@ -56,22 +58,22 @@ def with_and_without_loop(monkeypatch, path, cfg, prompts):
     "dtype, batch, looped",
     [
         ("float32", 1, True),
-        ("float32", 5, True),  # the float32 GEMV serves up to 8 rows
-        ("float32", 12, None),  # ... and up to 24 without AVX-512
+        ("float32", 5, True),  # the float32 GEMV serves up to 8 rows (24 without AVX-512)
+        ("float32", 12, True),
+        ("float32", 40, True),  # MKL's packed GEMM (Intel) or oneDNN's
         ("bfloat16", 1, True),
         ("bfloat16", 3, True),
-        ("bfloat16", 5, False),  # 4+ rows: oneDNN's tiles, the modules' path
+        ("bfloat16", 5, True),  # 4+ rows: oneDNN's tiles
+        ("bfloat16", 40, True),
     ],
 )
 def test_the_loop_gives_the_modules_logprobs(
     monkeypatch, loop_calls, tiny_llama_path, dtype, batch, looped
 ):
-    if dtype == "bfloat16" and not cpu_ext.load().bf16_gemv_available():
-        pytest.skip("the bfloat16 GEMV needs AVX-512")
-    if looped is None:
-        looped = batch <= cpu_ext.load().gemv_max_rows()
-    prompts = random_prompts(([3, 17, 9, 30, 5] * 3)[:batch], 49152, seed=batch)
-    cfg = EngineConfig(dtype=dtype, block_size=4, num_gpu_blocks=128)
+    if dtype == "bfloat16" and not can_pack(torch.zeros(1, 1, dtype=torch.bfloat16)):
+        pytest.skip("oneDNN computes no bfloat16 on this CPU: nothing is packed")
+    prompts = random_prompts(([3, 17, 9, 30, 5] * 8)[:batch], 49152, seed=batch)
+    cfg = EngineConfig(dtype=dtype, block_size=4, num_gpu_blocks=512)
     modules, looped_out = with_and_without_loop(monkeypatch, tiny_llama_path, cfg, prompts)
     assert looped_out == modules  # token ids and every logprob, bit for bit
     assert bool(loop_calls) == looped

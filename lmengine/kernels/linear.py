@@ -109,6 +109,55 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
     return torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_BATCH_HINT)
 
 
+# How `linear` computes one call (`route`): the compiled decode loop (models/decode_loop.py)
+# takes the route `linear` would take for the same call, so that both give the same bits.
+PLAIN, GEMV, BF16_GEMV, MKL_PACKED, ONEDNN, BF16_TILES = range(6)
+
+
+def route(
+    rows: int,
+    x_dtype: torch.dtype,
+    in_features: int,
+    weight: torch.Tensor,
+    packed: torch.Tensor | None,
+) -> int:
+    """The kernel `linear` runs for `rows` input rows of `x_dtype` on `weight` [out,
+    in_features] and its `packed` copy (`pack_weight`).
+
+    float32: the compiled weight-streaming GEMV up to `max_gemv_rows()` rows, then MKL's packed
+    GEMM (Intel) or oneDNN on its packed weight; MKL unpacked at one row or from ~1k rows where
+    MKL is fast but the weight was packed for oneDNN. bfloat16: the compiled GEMV (AVX512-BF16
+    dot products, half the bytes of float32) for a few rows, oneDNN's matmul on the plain weight
+    from _MIN_BF16_ONEDNN_ROWS rows, between them oneDNN on its packed weight (AMX tiles or
+    AVX512-BF16) or the compiled tile GEMM on VNNI blocks (a 1-D `packed`)."""
+    if packed is None or rows == 0:  # 0 rows: a chunk's lm_head
+        return PLAIN
+    if weight.dtype == torch.bfloat16:
+        if (
+            rows <= _MAX_BF16_GEMV_ROWS
+            and in_features % 32 == 0
+            and x_dtype == torch.bfloat16
+            and _bf16_gemv_ready()
+            and weight.is_contiguous()
+        ):
+            return BF16_GEMV
+        if rows >= _MIN_BF16_ONEDNN_ROWS or x_dtype != torch.bfloat16:
+            return PLAIN
+        return BF16_TILES if packed.dim() == 1 else ONEDNN
+    if (
+        rows <= max_gemv_rows()
+        and in_features % 16 == 0
+        and weight.is_contiguous()
+        and cpu_ext.load() is not None
+    ):
+        return GEMV
+    if packed.dtype == torch.uint8:  # MKL's layout (pack_weight on Intel)
+        return MKL_PACKED
+    if mkl_is_fast() and (rows == 1 or rows > _MAX_ROWS_FOR_ONEDNN):
+        return PLAIN  # MKL beats oneDNN here (its GEMV at one row)
+    return ONEDNN
+
+
 def linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -117,40 +166,20 @@ def linear(
 ) -> torch.Tensor:
     """x: [num_tokens, in] -> [num_tokens, out]; `packed` from `pack_weight(weight)`.
 
-    `packed` also marks a weight as a CPU float32 matrix the fast paths may take."""
-    rows = x.shape[0]
-    if packed is None or rows == 0:  # 0 rows: a chunk's lm_head
+    `packed` also marks a weight as a CPU float32 or bfloat16 matrix the fast paths may take."""
+    kernel = route(x.shape[0], x.dtype, x.shape[1], weight, packed)
+    if kernel == PLAIN:
         return F.linear(x, weight, bias)
-    if weight.dtype == torch.bfloat16:
-        return _linear_bf16(x, weight, bias, packed)
-    if rows <= max_gemv_rows():
-        gemv = _gemv_kernel()
-        if gemv is not None and x.shape[1] % 16 == 0 and weight.is_contiguous():
-            return gemv(x.contiguous(), weight, bias)
-    if packed.dtype == torch.uint8:  # MKL's layout (pack_weight on Intel)
-        return cpu_ext.load().sgemm_packed_linear(x.contiguous(), packed, weight, bias)
-    if mkl_is_fast() and (rows == 1 or rows > _MAX_ROWS_FOR_ONEDNN):
-        return F.linear(x, weight, bias)  # MKL beats oneDNN here (its GEMV at one row)
-    return _onednn(x, packed, bias)
-
-
-def _linear_bf16(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor
-) -> torch.Tensor:
-    """bfloat16: the compiled weight-streaming GEMV for a few rows (AVX512-BF16 dot products,
-    half the bytes of float32); oneDNN's matmul on the plain weight from _MIN_BF16_ONEDNN_ROWS
-    rows; between, oneDNN on its packed weight (AMX tiles or AVX512-BF16) or the compiled tile
-    GEMM on VNNI blocks (a 1-D `packed`)."""
-    rows = x.shape[0]
-    if rows <= _MAX_BF16_GEMV_ROWS and x.shape[1] % 32 == 0 and x.dtype == torch.bfloat16:
-        module = cpu_ext.load()
-        if module is not None and _bf16_gemv_built(module) and weight.is_contiguous():
-            return module.bf16_gemv(x.contiguous(), weight, bias)
-    if rows >= _MIN_BF16_ONEDNN_ROWS or x.dtype != torch.bfloat16:
-        return F.linear(x, weight, bias)
-    if packed.dim() == 1:  # the VNNI blocks of pack_weight
-        return cpu_ext.load().bf16_vnni_linear(x, packed, weight.shape[0], bias)
-    return _onednn(x, packed, bias)
+    if kernel == ONEDNN:
+        return _onednn(x, packed, bias)
+    module = cpu_ext.load()
+    if kernel == GEMV:
+        return module.gemv(x.contiguous(), weight, bias)
+    if kernel == BF16_GEMV:
+        return module.bf16_gemv(x.contiguous(), weight, bias)
+    if kernel == MKL_PACKED:
+        return module.sgemm_packed_linear(x.contiguous(), packed, weight, bias)
+    return module.bf16_vnni_linear(x, packed, weight.shape[0], bias)  # BF16_TILES
 
 
 def _bf16_tiles_kernels():
@@ -170,18 +199,18 @@ def _bf16_gemv_built(module) -> bool:
     return module.bf16_gemv_available()
 
 
+def _bf16_gemv_ready() -> bool:
+    """Whether the compiled kernels are here and have the bfloat16 GEMV."""
+    module = cpu_ext.load()
+    return module is not None and _bf16_gemv_built(module)
+
+
 @functools.cache
 def max_gemv_rows() -> int:
     """Up to this many rows the compiled weight-streaming GEMV is the fastest: 8, or 24 on a CPU
     without AVX-512 (where it runs 9-24 rows faster than oneDNN); 0 without the kernels."""
     module = cpu_ext.load()
     return 0 if module is None else module.gemv_max_rows()
-
-
-def _gemv_kernel():
-    """The compiled weight-streaming GEMV, or None (then MKL / oneDNN)."""
-    module = cpu_ext.load()
-    return None if module is None else module.gemv
 
 
 def _mkl_packed_kernels():

@@ -1,18 +1,20 @@
 """A decode step's decoder layers as one compiled call (csrc/decode_loop_ops.cpp).
 
-At a single-stream or small-batch decode step the kernels of a layer are short and the Python
-around them (module calls, argument checks, ~13 kernel calls per layer) is a large part of the
-step. `run_decode_layers` runs the layers of a patched Llama-shaped model in one native call
-instead: the same kernels in the same order with the same arguments, so the hidden states are
-bit-identical to the modules' forward. It applies when
+At a decode step the kernels of a layer are short and the Python around them (module calls,
+argument checks, ~13 kernel calls per layer) is a large part of the step: a third of a
+single-stream step on GGUF blocks, ~8 ms of a 64-row bfloat16 step of 64 ms on SmolLM2, with
+the GIL held between the kernels, where the server's threads wait for it and make the step wait
+in turn. `run_decode_layers` runs the layers of a patched Llama-shaped model in one native call
+instead, the GIL released throughout: the same kernels in the same order with the same
+arguments (each linear takes the route `kernels.linear.route` gives it for the step's rows), so
+the hidden states are bit-identical to the modules' forward. It applies when
 
 - every layer is the patched Llama layer as it is (fused q/k/v and gate/up, SwiGLU, full
   rotary, no q/k norm, sliding window or soft-cap, no LoRA, w8a8 or tensor-parallel wrapper,
-  no forward hooks on any of its modules), with float32 or bfloat16 weights that the compiled
-  GEMVs take, or GGUF blocks of one type per linear;
-- the step is decode only (one token per sequence, in order), with at most as many rows as the
-  GEMVs serve (float32: 8, or 24 without AVX-512; GGUF: 8; bfloat16: 3), no research hooks and
-  a float cache;
+  no forward hooks on any of its modules), with packed float32 or bfloat16 weights, or GGUF
+  blocks of one type per linear;
+- the step is decode only (one token per sequence, in order), no research hooks and a float
+  cache; on GGUF blocks, with at most as many rows as their GEMV serves (8);
 - the compiled kernels are built and `LMENGINE_DECODE_LOOP` is not `0`.
 
 Anything else runs the modules. The loop holds references to the weights; it is rebuilt when a
@@ -32,14 +34,13 @@ from transformers.activations import SiLUActivation
 
 from lmengine.kernels import cpu_ext
 from lmengine.kernels.gguf import MAX_GEMV_ROWS as _GGUF_GEMV_ROWS
-from lmengine.kernels.linear import _MAX_BF16_GEMV_ROWS, _bf16_gemv_built, max_gemv_rows
+from lmengine.kernels.linear import route
 from lmengine.models.attention import PagedAttentionMixin
 from lmengine.models.context import StepContext
 from lmengine.models.layers import GGUFLinear, MergedLinear, PackedLinear
 
 _FLOAT32, _BFLOAT16, _GGUF = 0, 1, 2  # DecodeLoop's weights kinds
 _ACTIVATIONS = {_FLOAT32: torch.float32, _BFLOAT16: torch.bfloat16, _GGUF: torch.float32}
-_K_MULTIPLE = {_FLOAT32: 16, _BFLOAT16: 32, _GGUF: 1}  # the GEMVs' input width (GGUF: checked)
 
 
 def is_enabled() -> bool:
@@ -53,13 +54,19 @@ class _Built:
     NOTE: both checks run at every step, so they are C-level passes over lists made here (~15
     us for SmolLM2's 270 modules; a Python loop over the modules took ~140)."""
 
-    def __init__(self, loop, kind: int, modules: list[nn.Module], tensors: list) -> None:
+    def __init__(
+        self, loop, kind: int, modules: list[nn.Module], tensors: list, linears: list[nn.Module]
+    ) -> None:
         self.loop, self.kind = loop, kind
-        self.max_rows = _max_rows(kind)  # the most rows a step may have to take the loop
+        # the most rows a step may have to take the loop: GGUF blocks, what their GEMV serves
+        self.max_rows = _GGUF_GEMV_ROWS if kind == _GGUF else None
+        # the first layer's qkv, o, gate_up and down: every layer's take their routes
+        self.linears = linears
         self.modules = modules
         self.classes = [type(m) for m in modules]
         # where each tensor the loop holds lives (`tensors`: (module, attribute, tensor)): a
-        # module's _parameters or _buffers, which assigning a new weight updates in place
+        # module's _parameters or _buffers, which assigning a new weight updates in place, or
+        # its __dict__ (a packed weight)
         self.stores = [_store_of(m, name) for m, name, _ in tensors]
         self.names = [name for _, name, _ in tensors]
         self.held = [t for _, _, t in tensors]
@@ -79,8 +86,12 @@ class _Built:
 
 
 def _store_of(module: nn.Module, name: str) -> dict:
-    """The dict of `module` that holds its parameter or buffer `name`."""
-    return module._parameters if name in module._parameters else module._buffers
+    """The dict of `module` that holds its parameter, buffer or plain attribute `name` (a
+    packed weight: `PackedLinear.repack` assigns a new one)."""
+    for store in (module._parameters, module._buffers):
+        if name in store:
+            return store
+    return module.__dict__
 
 
 @dataclass(frozen=True)
@@ -117,6 +128,7 @@ def run_decode_layers(
     if built is False or built.hooked() or not _step_fits(built, hidden_states, ctx):
         return None
     group = groups[0]
+    rows, dtype = hidden_states.shape[0], hidden_states.dtype
     return built.loop.run(
         hidden_states,
         ctx.cos.contiguous(),
@@ -126,14 +138,19 @@ def run_decode_layers(
         group.decode_kv_lens,
         [cache[0] for cache in ctx.kv_caches[: len(layers)]],
         [cache[1] for cache in ctx.kv_caches[: len(layers)]],
+        [route(rows, dtype, lin.in_features, lin.weight, lin.packed) for lin in built.linears]
+        if built.kind != _GGUF
+        else [0] * 4,
     )
 
 
 def _step_fits(built: _Built, hidden_states: torch.Tensor, ctx: StepContext) -> bool:
     dtype = _ACTIVATIONS[built.kind]
     k_cache = ctx.kv_caches[0][0]
+    rows = hidden_states.shape[0]
     return (
-        1 <= hidden_states.shape[0] <= built.max_rows
+        rows >= 1
+        and (built.max_rows is None or rows <= built.max_rows)
         and hidden_states.dtype == dtype
         and ctx.cos.dtype == dtype
         and k_cache.dtype == dtype
@@ -141,18 +158,14 @@ def _step_fits(built: _Built, hidden_states: torch.Tensor, ctx: StepContext) -> 
     )
 
 
-def _max_rows(kind: int) -> int:
-    """The most rows a step may have to take the loop: what its GEMVs serve."""
-    return {_FLOAT32: max_gemv_rows(), _BFLOAT16: _MAX_BF16_GEMV_ROWS, _GGUF: _GGUF_GEMV_ROWS}[kind]
-
-
 def _build(layers: list[nn.Module], classes: LayerClasses) -> _Built | None:
     """The DecodeLoop of these layers, or None when some layer is not the plain patched Llama
-    layer with weights the compiled GEMVs take."""
+    layer with weights the loop's kernels take."""
     ext = cpu_ext.load()
     if ext is None or not layers:
         return None
     kinds, modules, tensors, biases, qtypes, eps, scales = set(), [], [], [], [], set(), set()
+    packed, shapes = [], set()  # shapes: what a linear's route depends on, per position
     for i, layer in enumerate(layers):
         if not _same(layer, classes.layer, "forward", "norm_input"):
             return None  # another layout: it may not even have these modules
@@ -173,8 +186,8 @@ def _build(layers: list[nn.Module], classes: LayerClasses) -> _Built | None:
         ):
             return None
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        for linear in linears:
-            kind = _linear_kind(linear, ext)
+        for position, linear in enumerate(linears):
+            kind = _linear_kind(linear)
             if kind is None:
                 return None
             kinds.add(kind)
@@ -182,6 +195,11 @@ def _build(layers: list[nn.Module], classes: LayerClasses) -> _Built | None:
             tensors.append((linear, name, getattr(linear, name)))
             biases.append(linear.bias)
             qtypes.append(linear.qtypes[0] if kind == _GGUF else -1)
+            pack = None if kind == _GGUF else linear.packed
+            packed.append(pack)
+            if pack is not None:
+                tensors.append((linear, "packed", pack))
+                shapes.add((position, linear.in_features, pack.dim(), pack.dtype))
         tensors += [(norm, "weight", norm.weight) for norm in norms]
         eps.update(norm.variance_epsilon for norm in norms)
         scales.add(attn.scaling)
@@ -191,18 +209,23 @@ def _build(layers: list[nn.Module], classes: LayerClasses) -> _Built | None:
         return None
     if any(layer.self_attn.qkv_proj.output_sizes != [q_size, kv_size, kv_size] for layer in layers):
         return None
+    if len(shapes) != len({position for position, *_ in shapes}):
+        return None  # NOTE: one route per position serves every layer only if they agree
     (kind,) = kinds
     loop = ext.DecodeLoop(
         kind,
-        [t for _, _, t in tensors],
+        [t for linear, name, t in tensors if name != "packed"],
         biases,
         qtypes,
+        packed,
         eps.pop(),
         q_size,
         kv_size,
         scales.pop(),
     )
-    return _Built(loop, kind, modules, tensors)
+    first = layers[0]
+    linears = [first.self_attn.qkv_proj, first.self_attn.o_proj, first.mlp.gate_up_proj]
+    return _Built(loop, kind, modules, tensors, [*linears, first.mlp.down_proj])
 
 
 def _same(module: nn.Module, cls: type, *names: str) -> bool:
@@ -212,7 +235,7 @@ def _same(module: nn.Module, cls: type, *names: str) -> bool:
     )
 
 
-def _linear_kind(linear: nn.Module, ext) -> int | None:
+def _linear_kind(linear: nn.Module) -> int | None:
     """What the compiled loop runs this linear as, or None if it cannot (then the modules run)."""
     if type(linear) is GGUFLinear:
         return _GGUF if len(linear.qtypes) == 1 and linear.blocks0.is_contiguous() else None
@@ -221,14 +244,6 @@ def _linear_kind(linear: nn.Module, ext) -> int | None:
     weight = linear.weight
     if not weight.is_contiguous() or weight.device.type != "cpu":
         return None
-    if weight.dtype == torch.float32:
-        kind = _FLOAT32
-    elif weight.dtype == torch.bfloat16 and _bf16_gemv_built(ext):
-        kind = _BFLOAT16
-    else:
+    if linear.bias is not None and linear.bias.dtype != weight.dtype:
         return None
-    if linear.in_features % _K_MULTIPLE[kind] or (
-        linear.bias is not None and linear.bias.dtype != weight.dtype
-    ):
-        return None
-    return kind
+    return {torch.float32: _FLOAT32, torch.bfloat16: _BFLOAT16}.get(weight.dtype)

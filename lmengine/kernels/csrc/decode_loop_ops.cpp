@@ -1,13 +1,16 @@
-// The decoder layers of a Llama-shaped model at a small decode step, as one native call.
+// The decoder layers of a Llama-shaped model at a decode step, as one native call.
 //
 // At one to a few rows a decode step's kernels are short (a SmolLM2 layer's GEMVs take tens of
 // microseconds), and the Python between them (module calls, dispatch, argument checks, ~13
-// kernel calls per layer) cost about a third of a single-stream step on the GGUF blocks. This
-// loop calls the very kernels the patched modules call, in the same order with the same
-// arguments (so the results are bit-identical), without returning to Python between layers.
-// lmengine/models/decode_loop.py decides when a step may take it and builds it from the
-// model's modules.
+// kernel calls per layer) cost about a third of a single-stream step on the GGUF blocks; at 64
+// rows in bfloat16 it was ~8 ms of a 64 ms step, and the GIL it held between kernels slowed the
+// server's threads and was slowed by them. This loop calls the very kernels the patched modules
+// call, in the same order with the same arguments (so the results are bit-identical), without
+// returning to Python between layers; each linear takes the route that
+// lmengine/kernels/linear.py's `route` chose for the step. lmengine/models/decode_loop.py
+// decides when a step may take it and builds it from the model's modules.
 
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/extension.h>
 
 #include <cstdint>
@@ -22,6 +25,10 @@ at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& w,
                      const c10::optional<at::Tensor>& bias);
 at::Tensor gguf_gemv(const at::Tensor& x, const at::Tensor& w, int64_t qtype,
                      const c10::optional<at::Tensor>& bias);
+at::Tensor sgemm_packed_linear(const at::Tensor& x, const at::Tensor& packed,
+                               const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
+at::Tensor bf16_vnni_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
+                            const c10::optional<at::Tensor>& bias);
 std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& weight,
                                             double eps, const c10::optional<at::Tensor>& residual);
 std::tuple<at::Tensor, at::Tensor> bf16_rms_norm(const at::Tensor& x, const at::Tensor& weight,
@@ -52,11 +59,28 @@ namespace {
 // (activations bfloat16, attention computed in float32) or GGUF blocks (activations float32).
 enum class Weights : int64_t { kFloat32 = 0, kBFloat16 = 1, kGGUF = 2 };
 
+// The kernel a linear runs: kernels/linear.py's routes (PLAIN .. BF16_TILES), same numbers
+enum Route : int64_t { kPlain = 0, kGemv, kBf16Gemv, kMklPacked, kOneDNN, kBf16Tiles };
+
 struct Linear {
   at::Tensor weight;  // [N, K] float32 / bfloat16, or GGUF blocks [N, row bytes]
   c10::optional<at::Tensor> bias;
   int64_t qtype;  // the GGUF block type; unused otherwise
+  c10::optional<at::Tensor> packed;  // kernels/linear.py's pack_weight(weight); not GGUF
 };
+
+// oneDNN's linear on its packed weight, as kernels/linear.py's _onednn calls it
+at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed,
+                         const c10::optional<at::Tensor>& bias) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                            c10::string_view, c10::List<std::optional<at::Scalar>>,
+                            std::optional<c10::string_view>)>();
+  return op.call(x.contiguous(), packed, bias, "none", c10::List<std::optional<at::Scalar>>(),
+                 c10::string_view(""));
+}
 
 struct Layer {
   Linear qkv, o, gate_up, down;
@@ -66,12 +90,13 @@ struct Layer {
 class DecodeLoop {
  public:
   // Per layer, in this order: the weights of qkv, o, gate_up, down (float or GGUF blocks),
-  // then the input and post-attention RMSNorm weights: 6 tensors. `biases` and `qtypes`: 4
-  // per layer, in the linears' order.
+  // then the input and post-attention RMSNorm weights: 6 tensors. `biases`, `qtypes` and
+  // `packed` (the packed weights; None for GGUF blocks): 4 per layer, in the linears' order.
   DecodeLoop(int64_t weights, const std::vector<at::Tensor>& tensors,
              const std::vector<c10::optional<at::Tensor>>& biases,
-             const std::vector<int64_t>& qtypes, double eps, int64_t q_size, int64_t kv_size,
-             double scale)
+             const std::vector<int64_t>& qtypes,
+             const std::vector<c10::optional<at::Tensor>>& packed, double eps, int64_t q_size,
+             int64_t kv_size, double scale)
       : weights_(static_cast<Weights>(weights)),
         eps_(eps),
         q_size_(q_size),
@@ -79,11 +104,13 @@ class DecodeLoop {
         scale_(scale) {
     TORCH_CHECK(weights >= 0 && weights <= 2, "DecodeLoop: unknown weights kind ", weights);
     const size_t n = tensors.size() / 6;
-    TORCH_CHECK(tensors.size() == 6 * n && biases.size() == 4 * n && qtypes.size() == 4 * n,
-                "DecodeLoop: 6 tensors, 4 biases and 4 qtypes per layer");
+    TORCH_CHECK(tensors.size() == 6 * n && biases.size() == 4 * n && qtypes.size() == 4 * n &&
+                    packed.size() == 4 * n,
+                "DecodeLoop: 6 tensors, 4 biases, 4 qtypes and 4 packed weights per layer");
     for (size_t i = 0; i < n; ++i) {
       auto linear = [&](size_t j) {
-        return Linear{tensors[6 * i + j], biases[4 * i + j], qtypes[4 * i + j]};
+        return Linear{tensors[6 * i + j], biases[4 * i + j], qtypes[4 * i + j],
+                      packed[4 * i + j]};
       };
       layers_.push_back(
           Layer{linear(0), linear(1), linear(2), linear(3), tensors[6 * i + 4], tensors[6 * i + 5]});
@@ -91,16 +118,22 @@ class DecodeLoop {
   }
 
   // hidden [T, hidden] (the embeddings), cos/sin [T, head_dim], slot_mapping [T], block_tables
-  // and kv_lens of the step's decode group; the caches of every layer. Returns (hidden states,
-  // residual stream) after the last layer: the final norm adds them.
+  // and kv_lens of the step's decode group; the caches of every layer; the route of each of
+  // qkv, o, gate_up and down at this step (the same in every layer; ignored for GGUF blocks).
+  // Returns (hidden states, residual stream) after the last layer: the final norm adds them.
   std::tuple<at::Tensor, at::Tensor> run(const at::Tensor& hidden, const at::Tensor& cos,
                                          const at::Tensor& sin, const at::Tensor& slot_mapping,
                                          const at::Tensor& block_tables,
                                          const at::Tensor& kv_lens,
                                          std::vector<at::Tensor> k_caches,
-                                         std::vector<at::Tensor> v_caches) const {
+                                         std::vector<at::Tensor> v_caches,
+                                         const std::vector<int64_t>& routes) const {
     TORCH_CHECK(k_caches.size() == layers_.size() && v_caches.size() == layers_.size(),
                 "DecodeLoop.run: one k and one v cache per layer");
+    TORCH_CHECK(routes.size() == 4, "DecodeLoop.run: one route for each of the 4 linears");
+    for (const int64_t r : routes) {
+      TORCH_CHECK(r >= kPlain && r <= kBf16Tiles, "DecodeLoop.run: unknown route ", r);
+    }
     const int64_t rows = hidden.size(0);
     at::Tensor h = hidden, residual, normed;
     for (size_t i = 0; i < layers_.size(); ++i) {
@@ -111,16 +144,16 @@ class DecodeLoop {
       } else {
         std::tie(normed, residual) = norm(h, layer.input_norm, residual);
       }
-      const at::Tensor qkv = apply(layer.qkv, normed);
+      const at::Tensor qkv = apply(layer.qkv, normed, routes[0]);
       const at::Tensor q = qkv.narrow(1, 0, q_size_);
       const at::Tensor k = qkv.narrow(1, q_size_, kv_size_);
       const at::Tensor v = qkv.narrow(1, q_size_ + kv_size_, kv_size_);
       const at::Tensor attn = attend(q, k, v, cos, sin, k_caches[i], v_caches[i], slot_mapping,
                                      block_tables, kv_lens);
-      const at::Tensor o = apply(layer.o, attn.view({rows, -1}));
+      const at::Tensor o = apply(layer.o, attn.view({rows, -1}), routes[1]);
       std::tie(normed, residual) = norm(o, layer.post_norm, residual);
-      const at::Tensor gate_up = apply(layer.gate_up, normed);
-      h = apply(layer.down, bf16() ? bf16_silu_mul(gate_up) : silu_mul(gate_up));
+      const at::Tensor gate_up = apply(layer.gate_up, normed, routes[2]);
+      h = apply(layer.down, bf16() ? bf16_silu_mul(gate_up) : silu_mul(gate_up), routes[3]);
     }
     return {h, residual};
   }
@@ -130,16 +163,28 @@ class DecodeLoop {
  private:
   bool bf16() const { return weights_ == Weights::kBFloat16; }
 
-  at::Tensor apply(const Linear& linear, const at::Tensor& x) const {
-    switch (weights_) {
-      case Weights::kFloat32:
-        return gemv(x, linear.weight, linear.bias);
-      case Weights::kBFloat16:
-        return bf16_gemv(x, linear.weight, linear.bias);
-      case Weights::kGGUF:
-        return gguf_gemv(x, linear.weight, linear.qtype, linear.bias);
+  // kernels/linear.py's `linear` along `route` (GGUF blocks: their GEMV)
+  at::Tensor apply(const Linear& linear, const at::Tensor& x, int64_t route) const {
+    if (weights_ == Weights::kGGUF) return gguf_gemv(x, linear.weight, linear.qtype, linear.bias);
+    const bool has_packed = linear.packed.has_value();
+    switch (route) {
+      case kPlain:
+        return at::linear(x, linear.weight, linear.bias);
+      case kGemv:
+        return gemv(x.contiguous(), linear.weight, linear.bias);
+      case kBf16Gemv:
+        return bf16_gemv(x.contiguous(), linear.weight, linear.bias);
+      case kMklPacked:
+        TORCH_CHECK(has_packed, "DecodeLoop: no packed weight");
+        return sgemm_packed_linear(x.contiguous(), *linear.packed, linear.weight, linear.bias);
+      case kOneDNN:
+        TORCH_CHECK(has_packed, "DecodeLoop: no packed weight");
+        return onednn_linear(x, *linear.packed, linear.bias);
+      case kBf16Tiles:
+        TORCH_CHECK(has_packed, "DecodeLoop: no packed weight");
+        return bf16_vnni_linear(x, *linear.packed, linear.weight.size(0), linear.bias);
     }
-    TORCH_CHECK(false, "DecodeLoop: unknown weights kind");
+    TORCH_CHECK(false, "DecodeLoop: unknown route ", route);
   }
 
   std::tuple<at::Tensor, at::Tensor> norm(const at::Tensor& x, const at::Tensor& weight,
@@ -176,15 +221,17 @@ class DecodeLoop {
 
 void register_decode_loop_ops(py::module& m) {
   py::class_<DecodeLoop>(m, "DecodeLoop",
-                         "the decoder layers of a Llama-shaped model at a decode step of a few "
-                         "rows, in one call (models/decode_loop.py builds it)")
+                         "the decoder layers of a Llama-shaped model at a decode step, in one "
+                         "call (models/decode_loop.py builds it)")
       .def(py::init<int64_t, const std::vector<at::Tensor>&,
                     const std::vector<c10::optional<at::Tensor>>&, const std::vector<int64_t>&,
-                    double, int64_t, int64_t, double>(),
+                    const std::vector<c10::optional<at::Tensor>>&, double, int64_t, int64_t,
+                    double>(),
            py::arg("weights"), py::arg("tensors"), py::arg("biases"), py::arg("qtypes"),
-           py::arg("eps"), py::arg("q_size"), py::arg("kv_size"), py::arg("scale"))
+           py::arg("packed"), py::arg("eps"), py::arg("q_size"), py::arg("kv_size"),
+           py::arg("scale"))
       .def("run", &DecodeLoop::run, release_gil(), py::arg("hidden"), py::arg("cos"),
            py::arg("sin"), py::arg("slot_mapping"), py::arg("block_tables"), py::arg("kv_lens"),
-           py::arg("k_caches"), py::arg("v_caches"))
+           py::arg("k_caches"), py::arg("v_caches"), py::arg("routes"))
       .def_property_readonly("num_layers", &DecodeLoop::num_layers);
 }
