@@ -1,9 +1,10 @@
-"""The compiled decode loop (models/decode_loop.py): decode steps run every layer in one native
-call and give bit-identical log-probabilities to the modules' forward, in float32 and bfloat16
-at every row count (each linear on the route the modules take: GEMV, MKL's or oneDNN's packed
-GEMM) and on GGUF blocks; steps and models it does not serve (more rows than the GGUF GEMV
-takes, LoRA, research hooks, an int8 cache, forward hooks, a replaced weight) run the modules or
-a rebuilt loop, and stay exact."""
+"""The compiled layer loop (models/decode_loop.py): a step runs every layer in one native call
+and gives bit-identical log-probabilities to the modules' forward, in float32 and bfloat16 at
+every row count (each linear on the route the modules take: GEMV, MKL's or oneDNN's packed
+GEMM), at prompt steps and steps mixing prompt chunks with decodes (where the compiled prefill
+kernel is built), and at decode steps on GGUF blocks; steps and models it does not serve (more
+rows than the GGUF GEMV takes, LoRA, research hooks, an int8 cache, forward hooks, a replaced
+weight) run the modules or a rebuilt loop, and stay exact."""
 
 from __future__ import annotations
 
@@ -78,7 +79,34 @@ def test_the_loop_gives_the_modules_logprobs(
     assert looped_out == modules  # token ids and every logprob, bit for bit
     assert bool(loop_calls) == looped
     if looped:
-        assert max(loop_calls) == batch
+        assert batch in loop_calls  # the decode steps of the whole batch
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_prompt_chunks_beside_decodes_take_the_loop(
+    monkeypatch, loop_calls, tiny_llama_path, dtype
+):
+    """A small prompt budget cuts prompts into chunks that share steps with running decodes
+    (fresh prompts, cached chunks and decodes in one step): where the compiled prefill kernel
+    is built, those steps take the loop too, and every logprob is the modules'."""
+    from lmengine.kernels.paged_attention import prefill_kernel
+
+    if not prefill_kernel(getattr(torch, dtype)):
+        pytest.skip("the compiled prefill kernel is not built here (AVX-512, bfloat16 units)")
+    prompts = random_prompts([3, 40, 9, 70, 5, 23], 49152, seed=11)
+    cfg = EngineConfig(dtype=dtype, block_size=4, num_gpu_blocks=256, max_prefill_token_num=24)
+    monkeypatch.setenv("LMENGINE_DECODE_LOOP", "0")
+    modules = []
+    for p in prompts:  # one at a time, then all together: both schedules
+        modules += generate(tiny_llama_path, cfg, [p])
+    modules += generate(tiny_llama_path, cfg, prompts)
+    monkeypatch.setenv("LMENGINE_DECODE_LOOP", "1")
+    looped = []
+    for p in prompts:
+        looped += generate(tiny_llama_path, cfg, [p])
+    looped += generate(tiny_llama_path, cfg, prompts)
+    assert looped == modules
+    assert max(loop_calls) > len(prompts)  # steps with prompt chunks took it
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0])

@@ -172,7 +172,7 @@ def paged_attention_cpu(
             continue
         prefill = None
         if may_prefill and plan.prefill_args is not None:
-            prefill = _prefill_kernel(q.dtype)
+            prefill = prefill_kernel(q.dtype)
         if prefill is not None:
             if out is None:
                 out = q.new_empty(num_tokens, num_heads, v_head_dim)
@@ -253,7 +253,7 @@ def _decode_kernel_for(q_dtype: torch.dtype, cache_dtype: torch.dtype):
     return None
 
 
-def _prefill_kernel(dtype: torch.dtype):
+def prefill_kernel(dtype: torch.dtype):
     """The compiled prefill kernel (causal prompt chunks, reading the cache in place), or None
     (then prompts use the gather + SDPA path). It runs on oneDNN's GEMM microkernel, which is
     compiled for the CPU's ISA on Intel and AMD alike; the module offers it where it was built

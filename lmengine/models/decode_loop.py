@@ -1,20 +1,23 @@
-"""A decode step's decoder layers as one compiled call (csrc/decode_loop_ops.cpp).
+"""A step's decoder layers as one compiled call (csrc/decode_loop_ops.cpp).
 
-At a decode step the kernels of a layer are short and the Python around them (module calls,
+The kernels of a layer are short at a decode step and the Python around them (module calls,
 argument checks, ~13 kernel calls per layer) is a large part of the step: a third of a
-single-stream step on GGUF blocks, ~8 ms of a 64-row bfloat16 step of 64 ms on SmolLM2, with
-the GIL held between the kernels, where the server's threads wait for it and make the step wait
-in turn. `run_decode_layers` runs the layers of a patched Llama-shaped model in one native call
-instead, the GIL released throughout: the same kernels in the same order with the same
-arguments (each linear takes the route `kernels.linear.route` gives it for the step's rows), so
+single-stream step on GGUF blocks, ~8 ms of a 64-row bfloat16 step of 64 ms on SmolLM2. And the
+GIL is held between the kernels, where the server's threads wait for it and make the step wait
+in turn, at prompt steps too. `run_decode_layers` runs the layers of a patched Llama-shaped
+model in one native call instead, the GIL released throughout: the same kernels in the same
+order with the same arguments (each linear on the route `kernels.linear.route` gives it for the
+step's rows, each attention group on the compiled kernel `paged_attention_cpu` gives it), so
 the hidden states are bit-identical to the modules' forward. It applies when
 
 - every layer is the patched Llama layer as it is (fused q/k/v and gate/up, SwiGLU, full
   rotary, no q/k norm, sliding window or soft-cap, no LoRA, w8a8 or tensor-parallel wrapper,
   no forward hooks on any of its modules), with packed float32 or bfloat16 weights, or GGUF
   blocks of one type per linear;
-- the step is decode only (one token per sequence, in order), no research hooks and a float
-  cache; on GGUF blocks, with at most as many rows as their GEMV serves (8);
+- every attention group of the step has a compiled kernel here (decodes always; prompt chunks
+  where the prefill kernel is built: AVX-512, and for bfloat16 the matrix units), no research
+  hooks and a float cache; on GGUF blocks, a decode step of at most as many rows as their GEMV
+  serves (8);
 - the compiled kernels are built and `LMENGINE_DECODE_LOOP` is not `0`.
 
 Anything else runs the modules. The loop holds references to the weights; it is rebuilt when a
@@ -35,6 +38,7 @@ from transformers.activations import SiLUActivation
 from lmengine.kernels import cpu_ext
 from lmengine.kernels.gguf import MAX_GEMV_ROWS as _GGUF_GEMV_ROWS
 from lmengine.kernels.linear import route
+from lmengine.kernels.paged_attention import prefill_kernel
 from lmengine.models.attention import PagedAttentionMixin
 from lmengine.models.context import StepContext
 from lmengine.models.layers import GGUFLinear, MergedLinear, PackedLinear
@@ -116,9 +120,6 @@ def run_decode_layers(
     loop between steps; a layer takes it only with `classes`' own methods."""
     if not is_enabled() or ctx.hooks is not None or hidden_states.is_cuda:
         return None
-    groups = ctx.attn_meta.groups
-    if len(groups) != 1 or groups[0].decode_tables is None or not groups[0].is_identity:
-        return None
     if ctx.cos is None or any(len(cache) != 2 for cache in ctx.kv_caches):
         return None  # no rotary, or an int8 cache (its scales ride along)
     built = owner.__dict__.get("_lmengine_decode_loop")
@@ -127,21 +128,48 @@ def run_decode_layers(
         owner.__dict__["_lmengine_decode_loop"] = built
     if built is False or built.hooked() or not _step_fits(built, hidden_states, ctx):
         return None
-    group = groups[0]
+    groups = _attention_groups(ctx, hidden_states.dtype, decode_only=built.kind == _GGUF)
+    if groups is None:
+        return None
     rows, dtype = hidden_states.shape[0], hidden_states.dtype
     return built.loop.run(
         hidden_states,
         ctx.cos.contiguous(),
         ctx.sin.contiguous(),
         ctx.slot_mapping,
-        group.decode_tables,
-        group.decode_kv_lens,
+        *groups,
         [cache[0] for cache in ctx.kv_caches[: len(layers)]],
         [cache[1] for cache in ctx.kv_caches[: len(layers)]],
         [route(rows, dtype, lin.in_features, lin.weight, lin.packed) for lin in built.linears]
         if built.kind != _GGUF
         else [0] * 4,
     )
+
+
+def _attention_groups(
+    ctx: StepContext, dtype: torch.dtype, decode_only: bool
+) -> tuple[list[int], list[list[torch.Tensor]]] | None:
+    """The step's attention groups as the loop takes them (kinds: 0 decodes, 1 prompt chunks;
+    and each group's tensors, csrc/decode_loop_ops.cpp's Group), or None when a group has no
+    compiled kernel here (then the modules run the step, on paged_attention_cpu's other
+    paths). `decode_only`: only a step that is one decode group."""
+    plans = ctx.attn_meta.groups
+    if decode_only and (len(plans) != 1 or not plans[0].is_identity):
+        return None
+    kinds, tensors = [], []
+    for plan in plans:
+        if plan.decode_tables is not None:
+            decode = [plan.decode_tables, plan.decode_kv_lens]
+            if not plan.is_identity:
+                decode += [plan.q_index[:, 0].contiguous(), plan.out_tokens]
+            kinds.append(0)
+            tensors.append(decode)
+        elif plan.prefill_args is not None and not decode_only and prefill_kernel(dtype):
+            kinds.append(1)
+            tensors.append(list(plan.prefill_args))
+        else:
+            return None
+    return kinds, tensors
 
 
 def _step_fits(built: _Built, hidden_states: torch.Tensor, ctx: StepContext) -> bool:

@@ -138,7 +138,7 @@ class PatchedLlamaModel(LlamaModel):
         if hooks is not None:
             hooks.after_layer(0, hidden_states)
         layers = self.layers[: self.config.num_hidden_layers]
-        # a small decode step: every layer in one compiled call where it applies, else None
+        # every layer in one compiled call where the step and the layers allow, else None
         looped = run_decode_layers(layers, hidden_states, ctx, self, LLAMA_LAYER)
         if looped is not None:
             hidden_states, residual = looped

@@ -52,6 +52,16 @@ at::Tensor paged_decode_attention_bf16(const at::Tensor& q, const at::Tensor& k_
                                        const at::Tensor& kv_lens, double scale,
                                        int64_t sliding_window, double softcap,
                                        const c10::optional<at::Tensor>& sinks);
+void paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                             const at::Tensor& v_cache, const at::Tensor& tables,
+                             const at::Tensor& q_start, const at::Tensor& q_lens,
+                             const at::Tensor& kv_lens, double scale, at::Tensor& out,
+                             const c10::optional<at::Tensor>& sinks);
+void paged_prefill_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache,
+                                  const at::Tensor& v_cache, const at::Tensor& tables,
+                                  const at::Tensor& q_start, const at::Tensor& q_lens,
+                                  const at::Tensor& kv_lens, double scale, at::Tensor& out,
+                                  const c10::optional<at::Tensor>& sinks);
 
 namespace {
 
@@ -68,6 +78,31 @@ struct Linear {
   int64_t qtype;  // the GGUF block type; unused otherwise
   c10::optional<at::Tensor> packed;  // kernels/linear.py's pack_weight(weight); not GGUF
 };
+
+// One group of the step's attention (kernels/attention_metadata.py's _GroupPlan), with the
+// tensors its compiled kernel reads. A decode group: `tables` and `kv_lens` of its sequences,
+// and unless it is the whole step (`rows` undefined), `rows` (its packed token per sequence,
+// q_index[:, 0]) and `out_tokens` (where its results go). A group of prompt chunks:
+// prefill_args (tables, q_start, q_lens, kv_lens); its kernel writes its own rows.
+struct Group {
+  bool decode;
+  at::Tensor tables, kv_lens, rows, out_tokens, q_start, q_lens;
+};
+
+Group make_group(int64_t kind, const std::vector<at::Tensor>& t) {
+  TORCH_CHECK(kind == 0 || kind == 1, "DecodeLoop.run: a group is a decode (0) or prompts (1)");
+  if (kind == 0) {
+    TORCH_CHECK(t.size() == 2 || t.size() == 4,
+                "DecodeLoop.run: a decode group is (tables, kv_lens[, rows, out_tokens])");
+    Group g{true, t[0], t[1]};
+    if (t.size() == 4) g.rows = t[2], g.out_tokens = t[3];
+    return g;
+  }
+  TORCH_CHECK(t.size() == 4, "DecodeLoop.run: a prompt group is (tables, q_start, q_lens, kv_lens)");
+  Group g{false, t[0], t[3]};
+  g.q_start = t[1], g.q_lens = t[2];
+  return g;
+}
 
 // oneDNN's linear on its packed weight, as kernels/linear.py's _onednn calls it
 at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed,
@@ -117,19 +152,26 @@ class DecodeLoop {
     }
   }
 
-  // hidden [T, hidden] (the embeddings), cos/sin [T, head_dim], slot_mapping [T], block_tables
-  // and kv_lens of the step's decode group; the caches of every layer; the route of each of
-  // qkv, o, gate_up and down at this step (the same in every layer; ignored for GGUF blocks).
+  // hidden [T, hidden] (the embeddings), cos/sin [T, head_dim], slot_mapping [T]; the step's
+  // attention groups, in the metadata's order (`group_kinds` 0 decode, 1 prompt chunks, and
+  // each group's tensors: see Group); the caches of every layer; the route of each of qkv, o,
+  // gate_up and down at this step (the same in every layer; ignored for GGUF blocks).
   // Returns (hidden states, residual stream) after the last layer: the final norm adds them.
   std::tuple<at::Tensor, at::Tensor> run(const at::Tensor& hidden, const at::Tensor& cos,
                                          const at::Tensor& sin, const at::Tensor& slot_mapping,
-                                         const at::Tensor& block_tables,
-                                         const at::Tensor& kv_lens,
+                                         const std::vector<int64_t>& group_kinds,
+                                         const std::vector<std::vector<at::Tensor>>& group_tensors,
                                          std::vector<at::Tensor> k_caches,
                                          std::vector<at::Tensor> v_caches,
                                          const std::vector<int64_t>& routes) const {
     TORCH_CHECK(k_caches.size() == layers_.size() && v_caches.size() == layers_.size(),
                 "DecodeLoop.run: one k and one v cache per layer");
+    TORCH_CHECK(!group_kinds.empty() && group_kinds.size() == group_tensors.size(),
+                "DecodeLoop.run: one kind and one list of tensors per attention group");
+    std::vector<Group> groups;
+    for (size_t g = 0; g < group_kinds.size(); ++g) {
+      groups.push_back(make_group(group_kinds[g], group_tensors[g]));
+    }
     TORCH_CHECK(routes.size() == 4, "DecodeLoop.run: one route for each of the 4 linears");
     for (const int64_t r : routes) {
       TORCH_CHECK(r >= kPlain && r <= kBf16Tiles, "DecodeLoop.run: unknown route ", r);
@@ -148,12 +190,16 @@ class DecodeLoop {
       const at::Tensor q = qkv.narrow(1, 0, q_size_);
       const at::Tensor k = qkv.narrow(1, q_size_, kv_size_);
       const at::Tensor v = qkv.narrow(1, q_size_ + kv_size_, kv_size_);
-      const at::Tensor attn = attend(q, k, v, cos, sin, k_caches[i], v_caches[i], slot_mapping,
-                                     block_tables, kv_lens);
+      const at::Tensor attn =
+          attend(q, k, v, cos, sin, k_caches[i], v_caches[i], slot_mapping, groups);
       const at::Tensor o = apply(layer.o, attn.view({rows, -1}), routes[1]);
       std::tie(normed, residual) = norm(o, layer.post_norm, residual);
-      const at::Tensor gate_up = apply(layer.gate_up, normed, routes[2]);
-      h = apply(layer.down, bf16() ? bf16_silu_mul(gate_up) : silu_mul(gate_up), routes[3]);
+      at::Tensor act;
+      {  // NOTE: gate_up freed before down runs, as in the modules: its memory serves down's output
+        const at::Tensor gate_up = apply(layer.gate_up, normed, routes[2]);
+        act = bf16() ? bf16_silu_mul(gate_up) : silu_mul(gate_up);
+      }
+      h = apply(layer.down, act, routes[3]);
     }
     return {h, residual};
   }
@@ -192,22 +238,40 @@ class DecodeLoop {
     return bf16() ? bf16_rms_norm(x, weight, eps_, residual) : rms_norm(x, weight, eps_, residual);
   }
 
-  // rotary on q and k fused with the cache write, then decode attention over the cache; as
-  // PagedAttentionMixin.paged_attend and paged_attention_cpu do it for a decode-only group
+  // rotary on q and k fused with the cache write, then each group's attention over the cache:
+  // as PagedAttentionMixin.paged_attend and paged_attention_cpu do it with the compiled kernels
   at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                     const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
                     at::Tensor& v_cache, const at::Tensor& slot_mapping,
-                    const at::Tensor& block_tables, const at::Tensor& kv_lens) const {
-    if (!bf16()) {
-      const at::Tensor rotated =
-          rotary_fill_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping);
-      return paged_decode_attention(rotated, k_cache, v_cache, block_tables, kv_lens, scale_, 0,
-                                    0.0, c10::nullopt);
+                    const std::vector<Group>& groups) const {
+    const at::Tensor rotated =  // [T, heads, head_dim]
+        bf16() ? rotary_fill_kv_bf16(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
+               : rotary_fill_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping);
+    at::Tensor out;
+    for (const Group& g : groups) {
+      if (g.decode) {
+        const bool whole = !g.rows.defined();
+        const at::Tensor qd = whole ? rotated : rotated.index_select(0, g.rows).contiguous();
+        at::Tensor res =
+            bf16() ? paged_decode_attention_bf16(qd, k_cache, v_cache, g.tables, g.kv_lens,
+                                                 scale_, 0, 0.0, c10::nullopt)
+                   : paged_decode_attention(qd, k_cache, v_cache, g.tables, g.kv_lens, scale_, 0,
+                                            0.0, c10::nullopt);
+        if (whole) return res;
+        if (!out.defined()) out = at::empty(rotated.sizes(), rotated.options());
+        out.index_put_({g.out_tokens}, res);
+        continue;
+      }
+      if (!out.defined()) out = at::empty(rotated.sizes(), rotated.options());
+      if (bf16()) {
+        paged_prefill_attention_bf16(rotated, k_cache, v_cache, g.tables, g.q_start, g.q_lens,
+                                     g.kv_lens, scale_, out, c10::nullopt);
+      } else {
+        paged_prefill_attention(rotated, k_cache, v_cache, g.tables, g.q_start, g.q_lens,
+                                g.kv_lens, scale_, out, c10::nullopt);
+      }
     }
-    const at::Tensor rotated =
-        rotary_fill_kv_bf16(q, k, v, cos, sin, k_cache, v_cache, slot_mapping);
-    return paged_decode_attention_bf16(rotated, k_cache, v_cache, block_tables, kv_lens, scale_,
-                                       0, 0.0, c10::nullopt);
+    return out;
   }
 
   Weights weights_;
@@ -221,8 +285,8 @@ class DecodeLoop {
 
 void register_decode_loop_ops(py::module& m) {
   py::class_<DecodeLoop>(m, "DecodeLoop",
-                         "the decoder layers of a Llama-shaped model at a decode step, in one "
-                         "call (models/decode_loop.py builds it)")
+                         "the decoder layers of a Llama-shaped model at one step, in one call "
+                         "(models/decode_loop.py builds it)")
       .def(py::init<int64_t, const std::vector<at::Tensor>&,
                     const std::vector<c10::optional<at::Tensor>>&, const std::vector<int64_t>&,
                     const std::vector<c10::optional<at::Tensor>>&, double, int64_t, int64_t,
@@ -231,7 +295,7 @@ void register_decode_loop_ops(py::module& m) {
            py::arg("packed"), py::arg("eps"), py::arg("q_size"), py::arg("kv_size"),
            py::arg("scale"))
       .def("run", &DecodeLoop::run, release_gil(), py::arg("hidden"), py::arg("cos"),
-           py::arg("sin"), py::arg("slot_mapping"), py::arg("block_tables"), py::arg("kv_lens"),
-           py::arg("k_caches"), py::arg("v_caches"), py::arg("routes"))
+           py::arg("sin"), py::arg("slot_mapping"), py::arg("group_kinds"),
+           py::arg("group_tensors"), py::arg("k_caches"), py::arg("v_caches"), py::arg("routes"))
       .def_property_readonly("num_layers", &DecodeLoop::num_layers);
 }
