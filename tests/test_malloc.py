@@ -1,6 +1,8 @@
 """engine/malloc.py: once set, a large tensor freed and allocated again step after step stops
 faulting its pages in; an engine idle for `IDLE_RELEASE_S` hands that kept memory back; the
-GEMMs oneDNN compiles for each row count stay within the caches' bound lmengine sets."""
+GEMMs oneDNN compiles for each row count stay within the caches' bound lmengine sets.
+engine/collector.py: while an engine lives, what was alive when it was built is out of the
+collector's scans; once the last engine closes, cyclic garbage of that time is freed."""
 
 from __future__ import annotations
 
@@ -145,3 +147,38 @@ def test_compiled_gemms_stay_within_the_cache_bound():
     uncapped = _probe({**onednn, **limits}, _GEMM_PROBE)
     assert capped["growth_mb"] < 260, (capped, uncapped)  # 512 GEMMs of ~0.35 MB, 16 wrappers
     assert uncapped["growth_mb"] - capped["growth_mb"] > 150, (capped, uncapped)
+
+
+_FREEZE_PROBE = """
+import gc, json, sys, weakref
+from lmengine import Engine, EngineConfig, GenerationConfig
+from lmengine.engine import collector
+
+class Node:
+    pass
+
+cycle = Node()
+cycle.me = cycle  # cyclic: only the collector frees it
+dead = weakref.ref(cycle)
+eng = Engine.from_pretrained(sys.argv[1], EngineConfig(num_gpu_blocks=32))
+out = {"frozen": gc.get_freeze_count(), "engines": collector.num_engines()}
+eng.create_instance().infer(1, [1, 2, 3], gen_config=GenerationConfig(max_new_tokens=2))
+del cycle
+gc.collect()
+out["freed_while_frozen"] = dead() is None  # frozen: never scanned, so never freed
+second = Engine.from_pretrained(sys.argv[1], EngineConfig(num_gpu_blocks=32))
+eng.close()
+out["frozen_beside_second"] = gc.get_freeze_count()
+second.close()
+gc.collect()
+out.update(after=gc.get_freeze_count(), freed_after=dead() is None, left=collector.num_engines())
+print(json.dumps(out))
+"""
+
+
+def test_an_engine_freezes_the_loaded_heap_until_the_last_one_closes(tiny_llama_path):
+    res = _probe({}, _FREEZE_PROBE, tiny_llama_path)
+    assert res["engines"] == 1 and res["frozen"] > 10_000, res  # torch's, transformers', ...
+    assert not res["freed_while_frozen"], res
+    assert res["frozen_beside_second"] > 10_000, res  # the second engine keeps it frozen
+    assert res["after"] == 0 and res["freed_after"] and res["left"] == 0, res

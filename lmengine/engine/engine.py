@@ -32,6 +32,7 @@ from collections.abc import Callable
 import torch
 
 from lmengine.config import EngineConfig
+from lmengine.engine import collector
 from lmengine.engine.adapters import LoraAdmin
 from lmengine.engine.beam import BeamSearch
 from lmengine.engine.client import Client
@@ -211,11 +212,13 @@ class Engine(LoraAdmin):
             self._init_error = e
             self._ready.set()
             return
+        collector.freeze()  # NOTE: the loaded heap out of every full collection's way
         self._ready.set()
         try:
             self._loop()
         finally:
             self.model_agent.close()
+            collector.thaw()
 
     @classmethod
     def from_pretrained(
