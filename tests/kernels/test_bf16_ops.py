@@ -157,6 +157,34 @@ def test_bf16_silu_mul_matches_reference(ext, rows, inter, threads):
     assert ulps_apart(silu_mul(wide[:, : 2 * inter]), silu_mul_ref(wide[:, : 2 * inter])) <= 2
 
 
+def test_bf16_rows_keep_denormals_infinities_and_nan(ext, threads):
+    """The kernels' rounding to bfloat16 (vcvtneps2bf16 where the CPU has it, which flushes
+    denormals, with the integer rounding for vectors that hold one) and the SwiGLU's
+    reciprocal keep what torch keeps: denormal sums, -0 for a gate of -100 (exp overflows),
+    inf and NaN."""
+    tiny = torch.tensor(1e-39).to(BF16)  # a bfloat16 denormal
+    assert 0 < float(tiny) < torch.finfo(torch.float32).tiny
+    x = torch.full((3, 64), float(tiny)).to(BF16)
+    residual = x.clone()
+    x[1, 5] = 1.0  # a row with one normal lane among denormals
+    weight = torch.ones(64).to(BF16)
+    out, summed = rms_norm_cpu(x, weight, 1e-5, residual)
+    ref_out, ref_summed = add_rms_norm_ref(x, residual, weight, 1e-5)
+    assert torch.equal(summed, ref_summed) and bool((summed[0] > 0).all())
+    assert ulps_apart(out, ref_out) <= 2
+
+    gate_up = torch.randn(2, 2 * 64).to(BF16)
+    specials = [-100.0, 100.0, float("inf"), float("-inf"), float("nan"), 0.0, -0.0, 1e-39]
+    gate_up[0, : len(specials)] = torch.tensor(specials).to(BF16)
+    gate_up[1, 64 : 64 + 16] = float(tiny)  # up: denormal products
+    out = silu_mul(gate_up)
+    ref = silu_mul_ref(gate_up)
+    assert torch.equal(out.isnan(), ref.isnan())
+    finite = ~ref.isnan()
+    assert torch.equal(out[finite].signbit(), ref[finite].signbit())
+    assert ulps_apart(out[finite], ref[finite]) <= 2
+
+
 @pytest.mark.parametrize("num_tokens", [1, 7, 40])
 @pytest.mark.parametrize("heads,head_dim", [((4, 2), 64), ((9, 3), 32)])
 def test_bf16_rotary_fill_kv_is_bit_identical(ext, num_tokens, heads, head_dim, threads):

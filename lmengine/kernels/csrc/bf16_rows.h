@@ -40,9 +40,17 @@ inline v16f load_bf16x16(const uint16_t* p) {
   return reinterpret_cast<v16f>(_mm512_slli_epi32(wide, 16));
 }
 
-// 16 float32 -> bfloat16 bits, exactly as to_bf16 (round to nearest even, NaN kept quiet;
-// not vcvtneps2bf16, which flushes denormals to zero)
+// 16 float32 -> bfloat16 bits, exactly as to_bf16 (round to nearest even, NaN kept quiet).
+// With AVX512-BF16, vcvtneps2bf16 rounds the same way in one instruction but flushes
+// denormals to zero: it serves every vector without a denormal lane (one vfpclassps tells),
+// the integer rounding below the rest. The integer form took 7 of the ~45 vector operations
+// of a SwiGLU element, on the two ports that run 512-bit operations.
 inline __m512i bf16_bits16(v16f f) {
+#if defined(__AVX512BF16__)
+  if (_mm512_fpclass_ps_mask(reinterpret_cast<__m512>(f), 0x20) == 0)  // 0x20: denormal
+    return _mm512_cvtepu16_epi32(
+        reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(reinterpret_cast<__m512>(f))));
+#endif
   const __m512i bits = reinterpret_cast<__m512i>(f);
   const __m512i high = _mm512_srli_epi32(bits, 16);
   const __m512i odd = _mm512_and_si512(high, _mm512_set1_epi32(1));
@@ -54,6 +62,13 @@ inline __m512i bf16_bits16(v16f f) {
 }
 
 inline void store_bf16x16(uint16_t* p, v16f f) {
+#if defined(__AVX512BF16__)
+  if (_mm512_fpclass_ps_mask(reinterpret_cast<__m512>(f), 0x20) == 0) {  // as bf16_bits16
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                        reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(reinterpret_cast<__m512>(f))));
+    return;
+  }
+#endif
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bf16_bits16(f)));
 }
 
@@ -111,7 +126,7 @@ inline void silu_mul_row_bf16(const uint16_t* gate, const uint16_t* up, uint16_t
   const v16f one = v16f{} + 1.0f;
   for (; i0 + 16 <= n; i0 += 16) {
     const v16f g = load_bf16x16(gate + i0);
-    const v16f silu = g / (one + exp16(-g));
+    const v16f silu = g * recip16(one + exp16(-g));
     store_bf16x16(act + i0, round_bf16x16(silu) * load_bf16x16(up + i0));
   }
 #endif
