@@ -70,16 +70,32 @@ def build_step_context(
     decoding verifies every drafted token), after the logits of `num_leading_logits[b]` tokens
     from its token `leading_offsets[b]` on when given (prompt scoring). Shared by the
     ModelAgent and every tensor-parallel rank, so they pack identically."""
-    q_lens_t = torch.tensor(q_lens)
     kv_lens = [s + n for s, n in zip(start_pos, q_lens)]
+    meta = AttentionMetadata.build(
+        block_tables, q_lens, kv_lens, block_size, device, kv_token_bytes=kv_token_bytes
+    )
+    if max(q_lens) == 1 and num_logits is None and num_leading_logits is None:
+        # NOTE: a step of decodes alone (every step of a busy server but the ones a prompt
+        # joins) in plain lists and three tensors: the general path's small torch ops cost ~1
+        # ms more of a 64-row step, each slow with the caches cold after the forward
+        slots = [
+            t[p // block_size] * block_size + p % block_size
+            for t, p in zip(block_tables, start_pos)
+        ]
+        rows = [b for b, sample in enumerate(needs_sample) if sample]
+        return StepContext(
+            positions=torch.tensor(start_pos).to(device),
+            slot_mapping=torch.tensor(slots).to(device),
+            attn_meta=meta,
+            kv_caches=kv_caches,
+            logits_indices=torch.tensor(rows, dtype=torch.long).to(device),
+        )
+    q_lens_t = torch.tensor(q_lens)
     # position of every packed token: start of its sequence + offset within the chunk
     seq_of_token = torch.repeat_interleave(torch.arange(len(q_lens)), q_lens_t)  # [T]
     first_token = torch.cumsum(q_lens_t, 0) - q_lens_t  # [B]
     offset = torch.arange(int(q_lens_t.sum())) - first_token[seq_of_token]
     positions = torch.tensor(start_pos)[seq_of_token] + offset  # [T]
-    meta = AttentionMetadata.build(
-        block_tables, q_lens, kv_lens, block_size, device, kv_token_bytes=kv_token_bytes
-    )
     # flat cache slot of every packed token
     slot_mapping = (
         meta.block_tables.cpu()[seq_of_token, positions // block_size].long() * block_size
