@@ -43,6 +43,7 @@ TEST_KINDS = {
         "test_scheduler.py",
         "test_scheduler_swap.py",
         "test_step_budget.py",
+        "test_step_context.py",
         "test_server_metrics.py",
         "test_server_penalties.py",
         "test_server_streaming.py",
