@@ -45,9 +45,16 @@ inline v16f load_bf16x16(const uint16_t* p) {
 // denormals to zero: it serves every vector without a denormal lane (one vfpclassps tells),
 // the integer rounding below the rest. The integer form took 7 of the ~45 vector operations
 // of a SwiGLU element, on the two ports that run 512-bit operations.
+#if defined(__AVX512BF16__)
+// No lane of f is a denormal (vfpclassps category 0x20): vcvtneps2bf16 rounds it as to_bf16.
+inline bool no_denormal16(v16f f) {
+  return _mm512_fpclass_ps_mask(reinterpret_cast<__m512>(f), 0x20) == 0;
+}
+#endif
+
 inline __m512i bf16_bits16(v16f f) {
 #if defined(__AVX512BF16__)
-  if (_mm512_fpclass_ps_mask(reinterpret_cast<__m512>(f), 0x20) == 0)  // 0x20: denormal
+  if (no_denormal16(f))
     return _mm512_cvtepu16_epi32(
         reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(reinterpret_cast<__m512>(f))));
 #endif
@@ -63,7 +70,7 @@ inline __m512i bf16_bits16(v16f f) {
 
 inline void store_bf16x16(uint16_t* p, v16f f) {
 #if defined(__AVX512BF16__)
-  if (_mm512_fpclass_ps_mask(reinterpret_cast<__m512>(f), 0x20) == 0) {  // as bf16_bits16
+  if (no_denormal16(f)) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
                         reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(reinterpret_cast<__m512>(f))));
     return;
