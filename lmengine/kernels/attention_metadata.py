@@ -91,7 +91,7 @@ class AttentionMetadata:
         # one tensor from padded lists (one torch.tensor per row cost ~7 us each)
         table = torch.tensor(
             [[*t, *([0] * (width - len(t)))] for t in block_tables], dtype=torch.int32
-        ).reshape(num_seqs, width)
+        )  # [num_seqs, width], also at width 0
         q_lens_t = torch.tensor(q_lens, dtype=torch.int32)
         kv_lens_t = torch.tensor(kv_lens, dtype=torch.int32)
         q_start = torch.zeros(num_seqs, dtype=torch.int32)
