@@ -109,6 +109,23 @@ def test_prompt_chunks_beside_decodes_take_the_loop(
     assert max(loop_calls) > len(prompts)  # steps with prompt chunks took it
 
 
+def test_large_bfloat16_prompt_steps_take_the_loop_on_padded_rows(
+    monkeypatch, loop_calls, tiny_llama_path
+):
+    """A bfloat16 step of 1,024+ rows runs its linears on rows padded to a multiple of 64
+    (kernels/linear.py's `padded_rows`) in the loop as in the modules: the same logprobs, and
+    the step's rows (not the pad) come back."""
+    from lmengine.kernels.paged_attention import prefill_kernel
+
+    if not prefill_kernel(torch.bfloat16) or not can_pack(torch.zeros(1, 1, dtype=torch.bfloat16)):
+        pytest.skip("the compiled bfloat16 prefill kernel or oneDNN bfloat16 is not here")
+    prompts = random_prompts([600, 431, 30], 49152, seed=5)  # 1,061 rows, padded to 1,088
+    cfg = EngineConfig(dtype="bfloat16", num_gpu_blocks=256, max_prefill_token_num=2048)
+    modules, looped = with_and_without_loop(monkeypatch, tiny_llama_path, cfg, prompts)
+    assert looped == modules
+    assert max(loop_calls) == 1061
+
+
 @pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0])
 def test_the_loop_on_gguf_blocks(monkeypatch, loop_calls, tmp_path, smollm2_path, qtype):
     from tests.conftest import save_tiny_llama

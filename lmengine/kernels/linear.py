@@ -26,21 +26,20 @@ a real forward (all of SmolLM2-135M's linears, best of interleaved runs):
 Without the compiled kernels, Intel CPUs keep oneDNN's packs up to 1,023 rows and MKL unpacked
 above (where it beats oneDNN there).
 
-bfloat16 (the CPU's default where it has AMX or AVX512-BF16): 1-3 rows take the compiled GEMV
-on bfloat16 weights (csrc/bf16_ops.cpp, AVX512-BF16 dot products), 4-1,023 rows oneDNN on its
-packed bfloat16 weight (AMX tiles), from 1,024 rows oneDNN's matmul on the plain weight (it
-reorders the weight per call, a cost the large GEMM hides, and picks its blocking for the real
-row count: a 4,064-token SmolLM2 prefill step 5-12 % faster than on the weight packed for 64
-rows). `LMENGINE_BF16_GEMM=tiles` packs the weights instead in VNNI blocks for the compiled
-tile GEMM (csrc/brgemm_tiles.h: oneDNN's brgemm microkernel, the epilogue on each tile in
-cache), used for 4-1,023 rows. It wins where the weights stay in cache: hot, on SmolLM2's
-shapes, 1.3-1.8x oneDNN packed at 64 rows and 2-4x at 4-16. Streamed from memory it does not
-prefetch them as oneDNN does: cold, at 110-256 rows, it is 5-40 % slower on SmolLM2's and the
-1B shape's GEMMs (level at 32 rows, 25 % slower with K = 8,192); in a whole SmolLM2 forward on
-a 480 MB last-level cache a 111-token prompt took 42 against 47 ms and a 64-row decode step
-was level. Measured on the Intel Xeon (family 6, model 167, AMX), 2026-11-26 and -27. One row
-of the 960 x 576 q/k/v GEMV takes 0.014 ms against 0.045 for oneDNN packed and 0.024 for the
-float32 GEMV.
+bfloat16 (the CPU's default where it has AMX or AVX512-BF16): 1-3 rows take the compiled GEMV on
+bfloat16 weights (csrc/bf16_ops.cpp, AVX512-BF16 dot products), 4-1,023 rows oneDNN on its packed
+bfloat16 weight (AMX tiles), from 1,024 rows oneDNN's matmul on the plain weight (it reorders the
+weight per call, a cost the large GEMM hides, and picks its blocking for the real row count: a
+4,064-token SmolLM2 prefill step 5-12 % faster than on the weight packed for 64 rows), on rows
+padded to a multiple of 64 (`padded_rows`). `LMENGINE_BF16_GEMM=tiles` packs the weights instead in
+VNNI blocks for the compiled tile GEMM (csrc/brgemm_tiles.h: oneDNN's brgemm microkernel, the
+epilogue on each tile in cache), used for 4-1,023 rows. It wins where the weights stay in cache:
+hot, on SmolLM2's shapes, 1.3-1.8x oneDNN packed at 64 rows and 2-4x at 4-16. Streamed from memory
+it does not prefetch them as oneDNN does: cold, at 110-256 rows, it is 5-40 % slower on SmolLM2's
+and the 1B shape's GEMMs (level at 32 rows, 25 % slower with K = 8,192); in a whole SmolLM2 forward
+on a 480 MB last-level cache a 111-token prompt took 42 against 47 ms and a 64-row decode step was
+level. Measured on the Intel Xeon (family 6, model 167, AMX), 2026-11-26 and -27. One row of the
+960 x 576 q/k/v GEMV takes 0.014 ms against 0.045 for oneDNN packed and 0.024 for the float32 GEMV.
 
 Elsewhere (CUDA, other dtypes, a torch without oneDNN) `linear` is `F.linear`, which is also the
 reference.
@@ -70,6 +69,10 @@ _MAX_BF16_GEMV_ROWS = 3
 # bfloat16: oneDNN's matmul on the plain weight from this many rows (faster than on a weight
 # packed for 64 rows, and than the tile GEMM, on large prompts)
 _MIN_BF16_ONEDNN_ROWS = 1024
+# ... on rows padded with zeros to a multiple of this: oneDNN compiles a GEMM for every row
+# count it has not seen (8-13 ms for a 2,100 x 576 x 3,072 one against 2.7 ms to run it), and
+# every prompt step has a row count of its own; padded, a few dozen counts serve them all
+_BF16_PLAIN_ROW_STEP = 64
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -158,6 +161,16 @@ def route(
     return ONEDNN
 
 
+def padded_rows(rows: int, x_dtype: torch.dtype, kernel: int) -> int:
+    """The rows `linear` computes for `rows` input rows on `kernel` (`route`): bfloat16 on
+    oneDNN's plain matmul (large prompt steps) pads them with zeros to a multiple of
+    _BF16_PLAIN_ROW_STEP, so that each step's new row count does not compile new GEMMs; the
+    pad rows' outputs are dropped. Other kernels take the rows as they are."""
+    if kernel != PLAIN or x_dtype != torch.bfloat16 or rows < _MIN_BF16_ONEDNN_ROWS:
+        return rows
+    return -(-rows // _BF16_PLAIN_ROW_STEP) * _BF16_PLAIN_ROW_STEP
+
+
 def linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -167,8 +180,14 @@ def linear(
     """x: [num_tokens, in] -> [num_tokens, out]; `packed` from `pack_weight(weight)`.
 
     `packed` also marks a weight as a CPU float32 or bfloat16 matrix the fast paths may take."""
-    kernel = route(x.shape[0], x.dtype, x.shape[1], weight, packed)
+    rows = x.shape[0]
+    kernel = route(rows, x.dtype, x.shape[1], weight, packed)
     if kernel == PLAIN:
+        padded = padded_rows(rows, x.dtype, kernel) if packed is not None else rows
+        if padded != rows:  # NOTE: the layer loop computes the same padded GEMM, same bits
+            x_padded = x.new_zeros(padded, x.shape[1])  # [padded, in]
+            x_padded[:rows] = x
+            return F.linear(x_padded, weight, bias)[:rows]
         return F.linear(x, weight, bias)
     if kernel == ONEDNN:
         return _onednn(x, packed, bias)

@@ -37,7 +37,7 @@ from transformers.activations import SiLUActivation
 
 from lmengine.kernels import cpu_ext
 from lmengine.kernels.gguf import MAX_GEMV_ROWS as _GGUF_GEMV_ROWS
-from lmengine.kernels.linear import route
+from lmengine.kernels.linear import padded_rows, route
 from lmengine.kernels.paged_attention import prefill_kernel
 from lmengine.models.attention import PagedAttentionMixin
 from lmengine.models.context import StepContext
@@ -132,6 +132,13 @@ def run_decode_layers(
     if groups is None:
         return None
     rows, dtype = hidden_states.shape[0], hidden_states.dtype
+    routes = (
+        [route(rows, dtype, lin.in_features, lin.weight, lin.packed) for lin in built.linears]
+        if built.kind != _GGUF
+        else [0] * 4
+    )
+    # NOTE: every linear of a step takes the same route here, so one row count serves them all
+    padded = padded_rows(rows, dtype, routes[0]) if len(set(routes)) == 1 else rows
     return built.loop.run(
         hidden_states,
         ctx.cos.contiguous(),
@@ -140,9 +147,8 @@ def run_decode_layers(
         *groups,
         [cache[0] for cache in ctx.kv_caches[: len(layers)]],
         [cache[1] for cache in ctx.kv_caches[: len(layers)]],
-        [route(rows, dtype, lin.in_features, lin.weight, lin.packed) for lin in built.linears]
-        if built.kind != _GGUF
-        else [0] * 4,
+        routes,
+        padded,
     )
 
 

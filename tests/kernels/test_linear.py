@@ -218,3 +218,39 @@ def test_bfloat16_without_onednn_support_runs_unpacked(monkeypatch):
     assert pack_weight(weight) is None
     x = torch.randn(5, 64, dtype=torch.bfloat16)
     torch.testing.assert_close(linear(x, weight, None, pack_weight(weight)), F.linear(x, weight))
+
+
+def test_large_bfloat16_gemms_run_on_rows_padded_to_64(monkeypatch):
+    """bfloat16 on oneDNN's plain matmul (1,024+ rows) pads the rows with zeros to a multiple
+    of 64, so that prompt steps of ever new row counts reuse a few compiled GEMMs; the result
+    is the step's rows, as F.linear computes them."""
+    from lmengine.kernels.linear import PLAIN, padded_rows
+
+    bf16 = torch.bfloat16
+    assert [padded_rows(n, bf16, PLAIN) for n in (5, 1023, 1024, 1025, 2100)] == [
+        5,
+        1023,
+        1024,
+        1088,
+        2112,
+    ]
+    assert padded_rows(2100, torch.float32, PLAIN) == 2100
+    assert padded_rows(2100, bf16, linear_module.ONEDNN) == 2100
+    weight = torch.randn(70, 64, dtype=bf16)
+    packed = pack_weight(weight)
+    if packed is None:
+        pytest.skip("oneDNN computes no bfloat16 on this CPU: nothing is packed")
+    seen = []
+    real = F.linear
+
+    def spy(x, w, b=None):
+        seen.append(x.shape[0])
+        return real(x, w, b)
+
+    monkeypatch.setattr(linear_module.F, "linear", spy)
+    for rows in (1024, 1025, 2100):
+        x = torch.randn(rows, 64, dtype=bf16)
+        out = linear(x, weight, None, packed)
+        assert out.shape == (rows, 70)
+        torch.testing.assert_close(out, real(x, weight), rtol=1.6e-2, atol=1e-2)
+    assert seen == [1024, 1088, 2112]

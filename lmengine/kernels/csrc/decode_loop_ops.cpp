@@ -163,7 +163,8 @@ class DecodeLoop {
                                          const std::vector<std::vector<at::Tensor>>& group_tensors,
                                          std::vector<at::Tensor> k_caches,
                                          std::vector<at::Tensor> v_caches,
-                                         const std::vector<int64_t>& routes) const {
+                                         const std::vector<int64_t>& routes,
+                                         int64_t padded_rows) const {
     TORCH_CHECK(k_caches.size() == layers_.size() && v_caches.size() == layers_.size(),
                 "DecodeLoop.run: one k and one v cache per layer");
     TORCH_CHECK(!group_kinds.empty() && group_kinds.size() == group_tensors.size(),
@@ -177,7 +178,15 @@ class DecodeLoop {
       TORCH_CHECK(r >= kPlain && r <= kBf16Tiles, "DecodeLoop.run: unknown route ", r);
     }
     const int64_t rows = hidden.size(0);
+    TORCH_CHECK(padded_rows >= rows, "DecodeLoop.run: padded_rows below the step's rows");
+    // kernels/linear.py's `padded_rows`: the linears run on `padded_rows` rows (zeros past the
+    // step's), every row-wise op with them; rotary, the cache write and attention take the
+    // step's rows only, and the pad rows of attention's output are zeros
     at::Tensor h = hidden, residual, normed;
+    if (padded_rows > rows) {
+      h = at::zeros({padded_rows, hidden.size(1)}, hidden.options());
+      h.narrow(0, 0, rows).copy_(hidden);
+    }
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& layer = layers_[i];
       if (i == 0) {
@@ -186,13 +195,13 @@ class DecodeLoop {
       } else {
         std::tie(normed, residual) = norm(h, layer.input_norm, residual);
       }
-      const at::Tensor qkv = apply(layer.qkv, normed, routes[0]);
+      const at::Tensor qkv = apply(layer.qkv, normed, routes[0]).narrow(0, 0, rows);
       const at::Tensor q = qkv.narrow(1, 0, q_size_);
       const at::Tensor k = qkv.narrow(1, q_size_, kv_size_);
       const at::Tensor v = qkv.narrow(1, q_size_ + kv_size_, kv_size_);
-      const at::Tensor attn =
-          attend(q, k, v, cos, sin, k_caches[i], v_caches[i], slot_mapping, groups);
-      const at::Tensor o = apply(layer.o, attn.view({rows, -1}), routes[1]);
+      const at::Tensor attn = attend(q, k, v, cos, sin, k_caches[i], v_caches[i], slot_mapping,
+                                     groups, padded_rows);
+      const at::Tensor o = apply(layer.o, attn.view({padded_rows, -1}), routes[1]);
       std::tie(normed, residual) = norm(o, layer.post_norm, residual);
       at::Tensor act;
       {  // NOTE: gate_up freed before down runs, as in the modules: its memory serves down's output
@@ -201,7 +210,7 @@ class DecodeLoop {
       }
       h = apply(layer.down, act, routes[3]);
     }
-    return {h, residual};
+    return {h.narrow(0, 0, rows), residual.narrow(0, 0, rows)};
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
@@ -239,15 +248,25 @@ class DecodeLoop {
   }
 
   // rotary on q and k fused with the cache write, then each group's attention over the cache:
-  // as PagedAttentionMixin.paged_attend and paged_attention_cpu do it with the compiled kernels
+  // as PagedAttentionMixin.paged_attend and paged_attention_cpu do it with the compiled kernels.
+  // Returns [padded_rows, heads, head_dim]: the step's rows, then zeros.
   at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                     const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
                     at::Tensor& v_cache, const at::Tensor& slot_mapping,
-                    const std::vector<Group>& groups) const {
+                    const std::vector<Group>& groups, int64_t padded_rows) const {
     const at::Tensor rotated =  // [T, heads, head_dim]
         bf16() ? rotary_fill_kv_bf16(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
                : rotary_fill_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping);
-    at::Tensor out;
+    const int64_t rows = rotated.size(0);
+    at::Tensor out, step_out;  // [padded_rows, heads, head_dim] and its first `rows`
+    auto outputs = [&]() -> at::Tensor& {
+      if (!out.defined()) {
+        out = at::empty({padded_rows, rotated.size(1), rotated.size(2)}, rotated.options());
+        if (padded_rows > rows) out.narrow(0, rows, padded_rows - rows).zero_();
+        step_out = out.narrow(0, 0, rows);
+      }
+      return step_out;
+    };
     for (const Group& g : groups) {
       if (g.decode) {
         const bool whole = !g.rows.defined();
@@ -257,18 +276,20 @@ class DecodeLoop {
                                                  scale_, 0, 0.0, c10::nullopt)
                    : paged_decode_attention(qd, k_cache, v_cache, g.tables, g.kv_lens, scale_, 0,
                                             0.0, c10::nullopt);
-        if (whole) return res;
-        if (!out.defined()) out = at::empty(rotated.sizes(), rotated.options());
-        out.index_put_({g.out_tokens}, res);
+        if (whole && padded_rows == rows) return res;
+        if (whole) {
+          outputs().copy_(res);
+        } else {
+          outputs().index_put_({g.out_tokens}, res);
+        }
         continue;
       }
-      if (!out.defined()) out = at::empty(rotated.sizes(), rotated.options());
       if (bf16()) {
         paged_prefill_attention_bf16(rotated, k_cache, v_cache, g.tables, g.q_start, g.q_lens,
-                                     g.kv_lens, scale_, out, c10::nullopt);
+                                     g.kv_lens, scale_, outputs(), c10::nullopt);
       } else {
         paged_prefill_attention(rotated, k_cache, v_cache, g.tables, g.q_start, g.q_lens,
-                                g.kv_lens, scale_, out, c10::nullopt);
+                                g.kv_lens, scale_, outputs(), c10::nullopt);
       }
     }
     return out;
@@ -296,6 +317,7 @@ void register_decode_loop_ops(py::module& m) {
            py::arg("scale"))
       .def("run", &DecodeLoop::run, release_gil(), py::arg("hidden"), py::arg("cos"),
            py::arg("sin"), py::arg("slot_mapping"), py::arg("group_kinds"),
-           py::arg("group_tensors"), py::arg("k_caches"), py::arg("v_caches"), py::arg("routes"))
+           py::arg("group_tensors"), py::arg("k_caches"), py::arg("v_caches"), py::arg("routes"),
+           py::arg("padded_rows"))
       .def_property_readonly("num_layers", &DecodeLoop::num_layers);
 }
