@@ -67,6 +67,40 @@ def test_the_setting_can_be_left_alone():
     assert res["after"] > 10 * _PAGES_PER_CYCLE / 4, res
 
 
+_PAD_PROBE = """
+import json, threading, torch
+from lmengine.engine.malloc import keep_freed_memory
+
+applied = keep_freed_memory()
+out = {}
+
+def run():  # a new thread: glibc gives it an arena of its own, grown in heaps of 64 MiB
+    t = torch.empty(1 << 18)  # 1 MiB
+    at = t.data_ptr()
+    with open("/proc/self/maps") as f:
+        for line in f:
+            span, perms = line.split()[:2]
+            lo, hi = (int(x, 16) for x in span.split("-"))
+            if lo <= at < hi:
+                out["usable_mb"] = (hi - lo) / (1 << 20) if perms.startswith("rw") else 0
+
+thread = threading.Thread(target=run)
+thread.start()
+thread.join()
+print(json.dumps({"applied": applied, **out}))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc: Linux")
+def test_a_threads_heap_is_made_whole_at_once():
+    # the top pad: a thread's heap is opened at its full 64 MiB when first made, and is not
+    # unmapped when a step's last block in it is freed (so it is not faulted in again)
+    res = _probe({}, _PAD_PROBE)
+    assert res["applied"] and res["usable_mb"] > 60, res
+    res = _probe({"LMENGINE_KEEP_FREED_MEMORY": "0"}, _PAD_PROBE)
+    assert not res["applied"] and res["usable_mb"] < 8, res
+
+
 _IDLE_PROBE = """
 import json, sys, time, torch
 from lmengine.engine import engine as engine_module

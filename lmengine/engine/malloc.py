@@ -6,8 +6,17 @@ OS. A CPU forward allocates such blocks for every large activation (a 4,096-toke
 step's MLP output is 50 MB), so every step faulted their pages in again, one 4 KiB page at a
 time, zero-filled by the kernel. Measured on an Intel Xeon (family 6, model 167, 2 cores), all
 of SmolLM2-135M's linears at 4,096 rows, on a thread as the engine runs them: 338 GFLOP/s as
-glibc comes, 385 with both settings below (either alone: 339 and 300); offline, 8 prompts of
-1,016 tokens 1,006 -> 1,129 prompt tok/s and 64 chat prompts 505 -> 520 output tok/s.
+glibc comes, 385 with the first two settings below (either alone: 339 and 300); offline, 8
+prompts of 1,016 tokens 1,006 -> 1,129 prompt tok/s and 64 chat prompts 505 -> 520 output
+tok/s.
+
+A thread other than the main one allocates from heaps of 64 MB, and glibc unmaps a heap
+again as soon as the last block in it is freed. A step whose live tensors come near 64 MB
+opened a heap for one layer's block and unmapped it when the layer was done, layer after
+layer: a prompt step of 2,200 rows on SmolLM2 faulted 26,000-107,000 pages in and took
+416-611 ms where one of 2,100 rows faulted none and took 270-300. With a top pad of a whole
+heap (`_TOP_PAD`) every heap is opened at its full size and stays: the same steps faulted
+0-6,000 pages in, 293-390 ms (Intel Xeon, 2 cores, bfloat16, 2026-12-04).
 
 The price: memory the engine freed stays with the process while it works (its resident size
 is that of its largest step) instead of going back to the OS. Once the engine has been idle
@@ -29,11 +38,15 @@ import sys
 logger = logging.getLogger(__name__)
 
 _M_TRIM_THRESHOLD = -1  # mallopt parameters of glibc's malloc.h
+_M_TOP_PAD = -2
 _M_MMAP_THRESHOLD = -3
 # Blocks below this come from the heaps (and are reused); glibc accepts up to half its
 # per-thread heap size (64 MB), so larger blocks still get their own mapping.
 _MMAP_THRESHOLD = 1 << 30
 _TRIM_THRESHOLD = 1 << 30  # free memory kept at the top of a heap before it is returned
+# A heap is made (and kept) with this much room beyond the block it was made for; a thread's
+# heap is at most 64 MB, so it is opened whole and not unmapped while memory is kept
+_TOP_PAD = 64 << 20
 IDLE_RELEASE_S = 2.0  # seconds without a step before the engine loop releases freed memory
 _applied = False
 
@@ -56,6 +69,7 @@ def keep_freed_memory() -> bool:
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     ok = mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD) == 1
     ok = mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD) == 1 and ok
+    ok = mallopt(_M_TOP_PAD, _TOP_PAD) == 1 and ok
     if not ok:
         logger.warning("glibc refused the malloc settings: large CPU tensors fault in each step")
     _applied = ok
