@@ -165,6 +165,9 @@ class EngineConfig:
     # GGUF file's blocks on CPU in float32 (docs/gguf.md), a model's own weights otherwise
     quant_policy: str | None = None  # "w8a8": int8 W+A; "gguf": GGUF blocks; "float": expand
     enable_prefix_caching: bool = False
+    # NOTE: the server's default is True (vLLM's CPU pool is written at start too): a burst
+    # meets a mapped pool instead of faulting fresh blocks in (docs/serving_latency.md)
+    prefault_kv_cache: bool = False  # CPU: map the KV pool's memory at start, not at first use
     kv_cache_dtype: str = "auto"  # "auto": K/V in the model dtype; "int8": int8 + per-token scales
     # speculative decoding: a SpeculativeConfig, dict, JSON object or "ngram"; None = off
     speculative: SpeculativeConfig | str | None = None

@@ -1,8 +1,12 @@
-"""Helpers to drive an Engine from real threads in tests."""
+"""Helpers to drive an Engine from real threads in tests, and to probe a fresh process."""
 
 from __future__ import annotations
 
+import json
+import os
 import random
+import subprocess
+import sys
 import threading
 import time
 from contextlib import contextmanager, nullcontext
@@ -111,3 +115,17 @@ def spy_compiled_ops(monkeypatch, names: list[str]) -> dict[str, list]:
 
     monkeypatch.setattr(cpu_ext, "load", Spy)
     return outputs
+
+
+def run_probe(code: str, *args: str, env: dict | None = None) -> dict:
+    """Run `code` in a fresh Python (with `args` as its argv, `env` over this environment) and
+    return the JSON object its last line of output prints."""
+    run = subprocess.run(
+        [sys.executable, "-c", code, *args],
+        env={**os.environ, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr
+    return json.loads(run.stdout.strip().splitlines()[-1])

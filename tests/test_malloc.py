@@ -6,12 +6,12 @@ collector's scans; once the last engine closes, cyclic garbage of that time is f
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
 
 import pytest
+
+from tests.engine_utils import run_probe
 
 _PROBE = """
 import json, resource, threading, torch
@@ -40,15 +40,7 @@ _PAGES_PER_CYCLE = (50 << 20) // os.sysconf("SC_PAGE_SIZE")
 
 
 def _probe(env: dict, probe: str = _PROBE, *args: str) -> dict:
-    run = subprocess.run(
-        [sys.executable, "-c", probe, *args],
-        env={**os.environ, **env},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert run.returncode == 0, run.stderr
-    return json.loads(run.stdout.strip().splitlines()[-1])
+    return run_probe(probe, *args, env=env)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc: Linux")

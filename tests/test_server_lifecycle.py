@@ -146,3 +146,21 @@ def test_serve_help_lists_every_engine_field_and_server_flag():
     args = parser.parse_args(["serve", "some/model", "--block-size", "4", "--api-keys", "a", "b"])
     assert args.model_path == "some/model" and args.api_keys == ["a", "b"]
     assert getattr(args, "EngineConfig.block_size") == 4
+
+
+def test_a_server_maps_its_kv_pool_at_start_unless_told_not_to():
+    from lmengine.cli import build_parser
+    from lmengine.config import EngineConfig
+    from lmengine.flags import build_dataclass
+    from lmengine.serve.server import SERVE_ENGINE_DEFAULTS
+
+    parser = build_parser()
+
+    def served(*flags: str) -> EngineConfig:
+        args = parser.parse_args(["serve", "some/model", *flags])
+        return build_dataclass(EngineConfig, args, SERVE_ENGINE_DEFAULTS)
+
+    assert served().prefault_kv_cache and served().max_prefill_token_num == 2048
+    assert not served("--no-prefault-kv-cache").prefault_kv_cache
+    offline = build_dataclass(EngineConfig, parser.parse_args(["generate", "hi"]))
+    assert not offline.prefault_kv_cache and not EngineConfig().prefault_kv_cache

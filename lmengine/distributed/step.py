@@ -111,4 +111,4 @@ def build_rank_cache(
     num_blocks = all_reduce_min(num_blocks)
     if num_blocks < 1:
         raise ValueError("no memory left for even one KV block on some rank")
-    return CacheEngine(spec, num_blocks, cfg.num_cpu_blocks, device)
+    return CacheEngine(spec, num_blocks, cfg.num_cpu_blocks, device, cfg.prefault_kv_cache)

@@ -15,6 +15,9 @@ only k moves.
 from __future__ import annotations
 
 import bisect
+import logging
+import mmap
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +25,8 @@ from pathlib import Path
 import torch
 
 from lmengine.engine.step import StepInput
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -168,22 +173,46 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     return torch.from_numpy(raw).view(dtype)
 
 
+def map_now(t: torch.Tensor) -> int:
+    """Write a zero into every page of the contiguous CPU tensor `t` (already all zeros), so
+    that the OS maps its memory now rather than page by page inside the steps that first use
+    it; the bytes it spans."""
+    flat = t.view(-1).view(torch.uint8)
+    flat[:: mmap.PAGESIZE].zero_()
+    return flat.numel()
+
+
 class CacheEngine:
     """Per-layer K and V tensors, [num_blocks, block_size, num_kv_heads, head_dim] (int8 KV:
-    plus K and V scales, [num_blocks, block_size, num_kv_heads] float32)."""
+    plus K and V scales, [num_blocks, block_size, num_kv_heads] float32).
+
+    `prefault` (CPU): map the device pool's memory at once (`EngineConfig.prefault_kv_cache`).
+    """
 
     def __init__(
-        self, spec: CacheSpec, num_gpu_blocks: int, num_cpu_blocks: int, device: torch.device
+        self,
+        spec: CacheSpec,
+        num_gpu_blocks: int,
+        num_cpu_blocks: int,
+        device: torch.device,
+        prefault: bool = False,
     ) -> None:
         self.spec = spec
         self.device = device
         self.num_gpu_blocks = num_gpu_blocks
         self.num_cpu_blocks = num_cpu_blocks
         device_layer = spec.layer_tensors(num_gpu_blocks)
-        self.kv_caches = [
-            self._layer([_zeros(shape, dtype, device) for shape, dtype in device_layer])
+        layers = [
+            [_zeros(shape, dtype, device) for shape, dtype in device_layer]
             for _ in range(spec.num_layers)
         ]
+        if prefault and device.type == "cpu":
+            start = time.perf_counter()
+            size = sum(map_now(t) for tensors in layers for t in tensors)
+            logger.info(
+                "KV pool: %.2f GB mapped in %.1f s", size / 1e9, time.perf_counter() - start
+            )
+        self.kv_caches = [self._layer(tensors) for tensors in layers]
         pin = device.type == "cuda"
         host_layer = spec.layer_tensors(num_cpu_blocks)
         self.host_caches = [

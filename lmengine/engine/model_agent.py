@@ -67,7 +67,7 @@ class ModelAgent:
         )
         if num_blocks < 1:
             raise ValueError("no memory left for even one KV block: lower the model size")
-        cache = CacheEngine(spec, num_blocks, cfg.num_cpu_blocks, device)
+        cache = CacheEngine(spec, num_blocks, cfg.num_cpu_blocks, device, cfg.prefault_kv_cache)
         self._start(ModelRunner(model, cache, LoRAPool(model, device), device), info, proposer)
 
     def _start(self, runner: ModelRunner, info: ModelInfo, proposer: Proposer | None) -> None:

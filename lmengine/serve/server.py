@@ -21,13 +21,13 @@ import time
 from lmengine.flags import FlagError, add_model_flags, build_dataclass, model_load_errors
 from lmengine.serve.tools import TOOL_PARSERS
 
-# NOTE: a server's steps carry fewer prompt tokens than offline generation's (4096), as
-# A server budgets fewer prompt tokens per step than offline generation (4,096), as vLLM's
+# NOTE: a server budgets fewer prompt tokens per step than offline generation (4,096), as vLLM's
 # server does (2,048 against its LLM's 4,096): a burst of prompts gets its first tokens in
 # turns rather than all after one long step. 2,048 rather than fewer: running streams are
 # stalled in fewer steps, so under a burst the 99th percentile gap between tokens stays a
-# decode step's own (docs/serving_latency.md); `--max-prefill-token-num` sets it.
-SERVE_ENGINE_DEFAULTS = {"max_prefill_token_num": 2048}
+# decode step's own (docs/serving_latency.md); `--max-prefill-token-num` sets it. A server
+# also maps its KV pool at start (`--no-prefault-kv-cache`: at first use, as offline).
+SERVE_ENGINE_DEFAULTS = {"max_prefill_token_num": 2048, "prefault_kv_cache": True}
 
 
 def add_serve_flags(parser: argparse.ArgumentParser) -> None:
