@@ -143,10 +143,21 @@ def test_tool_use_whole_and_streamed(client, choice, name):
         assert json.loads("".join(pieces)) == call.input
 
 
-def test_any_tool_sampled_gives_valid_calls(client):
-    args = dict(model="tiny", max_tokens=300, messages=STORY, tools=TOOLS)
-    message = client.messages.create(**args, tool_choice={"type": "any"})
-    check_tool_use(message)
+@pytest.mark.parametrize("parallel", [False, True])
+def test_any_tool_sampled_gives_valid_calls(client, parallel):
+    """Sampled noise under `any`: one call ends the message (its arguments are bounded, so well
+    within max_tokens); parallel calls may follow each other until max_tokens cuts the last."""
+    choice = {"type": "any", "disable_parallel_tool_use": not parallel}
+    args = dict(model="tiny", max_tokens=300, messages=STORY, tools=TOOLS, tool_choice=choice)
+    for _ in range(4):
+        message = client.messages.create(**args)
+        if message.stop_reason != "max_tokens" or not parallel:
+            check_tool_use(message, max_calls=None if parallel else 1)
+            continue
+        calls = [b for b in message.content if b.type == "tool_use"]
+        assert len(calls) > 1 and message.usage.output_tokens == 300, message
+        for call in calls[:-1]:  # whole calls before the cut one
+            MODELS[call.name].model_validate(call.input)
 
 
 def test_tool_result_in_the_history_is_answered_with_text(client):
