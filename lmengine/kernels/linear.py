@@ -31,15 +31,18 @@ bfloat16 weights (csrc/bf16_ops.cpp, AVX512-BF16 dot products), 4-1,023 rows one
 bfloat16 weight (AMX tiles), from 1,024 rows oneDNN's matmul on the plain weight (it reorders the
 weight per call, a cost the large GEMM hides, and picks its blocking for the real row count: a
 4,064-token SmolLM2 prefill step 5-12 % faster than on the weight packed for 64 rows), on rows
-padded to a multiple of 64 (`padded_rows`). `LMENGINE_BF16_GEMM=tiles` packs the weights instead in
-VNNI blocks for the compiled tile GEMM (csrc/brgemm_tiles.h: oneDNN's brgemm microkernel, the
-epilogue on each tile in cache), used for 4-1,023 rows. It wins where the weights stay in cache:
-hot, on SmolLM2's shapes, 1.3-1.8x oneDNN packed at 64 rows and 2-4x at 4-16. Streamed from memory
-it does not prefetch them as oneDNN does: cold, at 110-256 rows, it is 5-40 % slower on SmolLM2's
-and the 1B shape's GEMMs (level at 32 rows, 25 % slower with K = 8,192); in a whole SmolLM2 forward
-on a 480 MB last-level cache a 111-token prompt took 42 against 47 ms and a 64-row decode step was
-level. Measured on the Intel Xeon (family 6, model 167, AMX), 2026-11-26 and -27. One row of the
-960 x 576 q/k/v GEMV takes 0.014 ms against 0.045 for oneDNN packed and 0.024 for the float32 GEMV.
+padded to a multiple of 64 (`padded_rows`); at 512-1,023 rows per thread the compiled kernel splits
+those rows between the threads, each block a single-threaded oneDNN matmul (`bf16_linear_rows`:
+oneDNN's own two-thread split of some shapes there runs at one thread's speed; a 12-prompt SmolLM2
+step 225 -> 198-204 ms). `LMENGINE_BF16_GEMM=tiles` packs the weights instead in VNNI blocks for
+the compiled tile GEMM (csrc/brgemm_tiles.h: oneDNN's brgemm microkernel, the epilogue on each tile
+in cache), used for 4-1,023 rows. It wins where the weights stay in cache: hot, on SmolLM2's
+shapes, 1.3-1.8x oneDNN packed at 64 rows and 2-4x at 4-16. Streamed from memory it does not
+prefetch them as oneDNN does: cold, at 110-256 rows, it is 5-40 % slower on SmolLM2's and the 1B
+shape's GEMMs (level at 32 rows, 25 % slower with K = 8,192); in a whole SmolLM2 forward on a 480
+MB last-level cache a 111-token prompt took 42 against 47 ms and a 64-row decode step was level.
+Measured on the Intel Xeon (family 6, model 167, AMX), 2026-11-26 and -27. One row of the 960 x 576
+q/k/v GEMV takes 0.014 ms against 0.045 for oneDNN packed and 0.024 for the float32 GEMV.
 
 Elsewhere (CUDA, other dtypes, a torch without oneDNN) `linear` is `F.linear`, which is also the
 reference.
@@ -184,11 +187,12 @@ def linear(
     kernel = route(rows, x.dtype, x.shape[1], weight, packed)
     if kernel == PLAIN:
         padded = padded_rows(rows, x.dtype, kernel) if packed is not None else rows
+        plain = _plain_bf16 if packed is not None and x.dtype == torch.bfloat16 else F.linear
         if padded != rows:  # NOTE: the layer loop computes the same padded GEMM, same bits
             x_padded = x.new_zeros(padded, x.shape[1])  # [padded, in]
             x_padded[:rows] = x
-            return F.linear(x_padded, weight, bias)[:rows]
-        return F.linear(x, weight, bias)
+            return plain(x_padded, weight, bias)[:rows]
+        return plain(x, weight, bias)
     if kernel == ONEDNN:
         return _onednn(x, packed, bias)
     module = cpu_ext.load()
@@ -262,6 +266,16 @@ def is_intel_cpu(cpuinfo: str) -> bool:
         if line.startswith("vendor_id") and ":" in line
     }
     return vendors <= {"GenuineIntel"}
+
+
+def _plain_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`F.linear` for a bfloat16 prompt step: at 512-1,023 rows per thread the compiled kernel
+    splits the rows between the threads (oneDNN's own split of some shapes there leaves a thread
+    idle; csrc/bf16_ops.cpp), as the compiled layer loop does."""
+    module = cpu_ext.load()
+    if module is None:
+        return F.linear(x, weight, bias)
+    return module.bf16_linear_rows(x.contiguous(), weight, bias)
 
 
 def _onednn(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

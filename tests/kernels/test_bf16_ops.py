@@ -76,6 +76,34 @@ def test_bf16_linear_paths_match_f_linear(rows, in_features, with_bias, gemm, mo
     torch.testing.assert_close(out.double(), expected, rtol=2**-7, atol=2e-2)
 
 
+@pytest.mark.parametrize("rows", [700, 1024, 1100, 2048])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_bf16_linear_rows_splits_mid_size_gemms_between_threads(ext, rows, with_bias):
+    """The plain route of bfloat16 prompt steps: with two threads, 1,024-2,047 rows are cut into
+    two blocks (the first a multiple of 64 rows), each oneDNN's matmul on one thread, bit for bit
+    F.linear of each block; other row counts are F.linear itself. (SmolLM2's gate/up shape: at
+    1,024 and 1,100 rows oneDNN's whole GEMM sums differently, so a split that did not happen
+    fails here.)"""
+    gen = torch.Generator().manual_seed(rows)
+    weight = (torch.randn(3072, 576, generator=gen) * 0.05).to(BF16)
+    bias = torch.randn(3072, generator=gen).to(BF16) if with_bias else None
+    x = torch.randn(rows, 576, generator=gen).to(BF16)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        out = ext.bf16_linear_rows(x, weight, bias)
+        if 1024 <= rows < 2048:
+            half = (rows + 1) // 2
+            first = (half + 63) // 64 * 64  # half the rows, rounded up to 64
+            blocks = (x[:first], x[first:])
+            expected = torch.cat([F.linear(block, weight, bias) for block in blocks])
+        else:
+            expected = F.linear(x, weight, bias)
+    finally:
+        torch.set_num_threads(before)
+    assert out.dtype == BF16 and torch.equal(out, expected)
+
+
 @pytest.mark.parametrize("rows", [1, 4, 17, 129, 300])
 @pytest.mark.parametrize(
     ("out_features", "in_features"), [(1, 2), (64, 64), (65, 576), (200, 1030)]

@@ -223,7 +223,8 @@ def test_bfloat16_without_onednn_support_runs_unpacked(monkeypatch):
 def test_large_bfloat16_gemms_run_on_rows_padded_to_64(monkeypatch):
     """bfloat16 on oneDNN's plain matmul (1,024+ rows) pads the rows with zeros to a multiple
     of 64, so that prompt steps of ever new row counts reuse a few compiled GEMMs; the result
-    is the step's rows, as F.linear computes them."""
+    is the step's rows, as F.linear computes them (the compiled kernel splits mid-size GEMMs
+    between the threads: tests/kernels/test_bf16_ops.py)."""
     from lmengine.kernels.linear import PLAIN, padded_rows
 
     bf16 = torch.bfloat16
@@ -241,13 +242,13 @@ def test_large_bfloat16_gemms_run_on_rows_padded_to_64(monkeypatch):
     if packed is None:
         pytest.skip("oneDNN computes no bfloat16 on this CPU: nothing is packed")
     seen = []
-    real = F.linear
+    real, plain = F.linear, linear_module._plain_bf16
 
     def spy(x, w, b=None):
         seen.append(x.shape[0])
-        return real(x, w, b)
+        return plain(x, w, b)
 
-    monkeypatch.setattr(linear_module.F, "linear", spy)
+    monkeypatch.setattr(linear_module, "_plain_bf16", spy)
     for rows in (1024, 1025, 2100):
         x = torch.randn(rows, 64, dtype=bf16)
         out = linear(x, weight, None, packed)

@@ -36,6 +36,8 @@ std::tuple<at::Tensor, at::Tensor> bf16_rms_norm(const at::Tensor& x, const at::
                                                  const c10::optional<at::Tensor>& residual);
 at::Tensor silu_mul(const at::Tensor& gate_up);
 at::Tensor bf16_silu_mul(const at::Tensor& gate_up);
+at::Tensor bf16_linear_rows(const at::Tensor& x, const at::Tensor& weight,
+                            const c10::optional<at::Tensor>& bias);
 at::Tensor rotary_fill_kv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                           const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
                           at::Tensor& v_cache, const at::Tensor& slot_mapping);
@@ -224,7 +226,8 @@ class DecodeLoop {
     const bool has_packed = linear.packed.has_value();
     switch (route) {
       case kPlain:
-        return at::linear(x, linear.weight, linear.bias);
+        return bf16() ? bf16_linear_rows(x, linear.weight, linear.bias)
+                      : at::linear(x, linear.weight, linear.bias);
       case kGemv:
         return gemv(x.contiguous(), linear.weight, linear.bias);
       case kBf16Gemv:
