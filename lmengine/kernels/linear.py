@@ -31,18 +31,19 @@ bfloat16 weights (csrc/bf16_ops.cpp, AVX512-BF16 dot products), 4-1,023 rows one
 bfloat16 weight (AMX tiles), from 1,024 rows oneDNN's matmul on the plain weight (it reorders the
 weight per call, a cost the large GEMM hides, and picks its blocking for the real row count: a
 4,064-token SmolLM2 prefill step 5-12 % faster than on the weight packed for 64 rows), on rows
-padded to a multiple of 64 (`padded_rows`); at 512-1,023 rows per thread the compiled kernel splits
-those rows between the threads, each block a single-threaded oneDNN matmul (`bf16_linear_rows`:
-oneDNN's own two-thread split of some shapes there runs at one thread's speed; a 12-prompt SmolLM2
-step 225 -> 198-204 ms). `LMENGINE_BF16_GEMM=tiles` packs the weights instead in VNNI blocks for
-the compiled tile GEMM (csrc/brgemm_tiles.h: oneDNN's brgemm microkernel, the epilogue on each tile
-in cache), used for 4-1,023 rows. It wins where the weights stay in cache: hot, on SmolLM2's
-shapes, 1.3-1.8x oneDNN packed at 64 rows and 2-4x at 4-16. Streamed from memory it does not
-prefetch them as oneDNN does: cold, at 110-256 rows, it is 5-40 % slower on SmolLM2's and the 1B
-shape's GEMMs (level at 32 rows, 25 % slower with K = 8,192); in a whole SmolLM2 forward on a 480
-MB last-level cache a 111-token prompt took 42 against 47 ms and a 64-row decode step was level.
-Measured on the Intel Xeon (family 6, model 167, AMX), 2026-11-26 and -27. One row of the 960 x 576
-q/k/v GEMV takes 0.014 ms against 0.045 for oneDNN packed and 0.024 for the float32 GEMV.
+padded to a multiple of 64 (`padded_rows`). At 256-1,023 rows per thread the compiled kernels split
+the rows of either between the threads, each block a single-threaded oneDNN matmul
+(`bf16_linear_rows`, `bf16_onednn_linear_rows`: oneDNN's own two-thread split of some shapes there
+runs at one thread's speed; SmolLM2 steps of 8 / 10 / 12 prompts 171 / 193-202 / 225 -> 138 /
+179-181 / 198-206 ms). `LMENGINE_BF16_GEMM=tiles` packs the weights instead in VNNI blocks for the
+compiled tile GEMM (csrc/brgemm_tiles.h: oneDNN's brgemm microkernel, the epilogue on each tile in
+cache), used for 4-1,023 rows. It wins where the weights stay in cache: hot, on SmolLM2's shapes,
+1.3-1.8x oneDNN packed at 64 rows and 2-4x at 4-16. Streamed from memory it does not prefetch them
+as oneDNN does: cold, at 110-256 rows, it is 5-40 % slower on SmolLM2's and the 1B shape's GEMMs
+(level at 32 rows, 25 % slower with K = 8,192); in a whole SmolLM2 forward on a 480 MB last-level
+cache a 111-token prompt took 42 against 47 ms and a 64-row decode step was level. Measured on the
+Intel Xeon (family 6, model 167, AMX), 2026-11-26 and -27. One row of the 960 x 576 q/k/v GEMV
+takes 0.014 ms against 0.045 for oneDNN packed and 0.024 for the float32 GEMV.
 
 Elsewhere (CUDA, other dtypes, a torch without oneDNN) `linear` is `F.linear`, which is also the
 reference.
@@ -194,6 +195,9 @@ def linear(
             return plain(x_padded, weight, bias)[:rows]
         return plain(x, weight, bias)
     if kernel == ONEDNN:
+        if x.dtype == torch.bfloat16 and cpu_ext.load() is not None:
+            # split between the threads at a few hundred rows, as the layer loop does
+            return cpu_ext.load().bf16_onednn_linear_rows(x, packed, weight.shape[0], bias)
         return _onednn(x, packed, bias)
     module = cpu_ext.load()
     if kernel == GEMV:
@@ -269,7 +273,7 @@ def is_intel_cpu(cpuinfo: str) -> bool:
 
 
 def _plain_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """`F.linear` for a bfloat16 prompt step: at 512-1,023 rows per thread the compiled kernel
+    """`F.linear` for a bfloat16 prompt step: below 1,024 rows per thread the compiled kernel
     splits the rows between the threads (oneDNN's own split of some shapes there leaves a thread
     idle; csrc/bf16_ops.cpp), as the compiled layer loop does."""
     module = cpu_ext.load()

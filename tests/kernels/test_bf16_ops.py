@@ -76,32 +76,49 @@ def test_bf16_linear_paths_match_f_linear(rows, in_features, with_bias, gemm, mo
     torch.testing.assert_close(out.double(), expected, rtol=2**-7, atol=2e-2)
 
 
-@pytest.mark.parametrize("rows", [700, 1024, 1100, 2048])
+@pytest.mark.parametrize("rows", [300, 900, 1024, 1100, 2048])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_bf16_linear_rows_splits_mid_size_gemms_between_threads(ext, rows, with_bias):
-    """The plain route of bfloat16 prompt steps: with two threads, 1,024-2,047 rows are cut into
-    two blocks (the first a multiple of 64 rows), each oneDNN's matmul on one thread, bit for bit
-    F.linear of each block; other row counts are F.linear itself. (SmolLM2's gate/up shape: at
-    1,024 and 1,100 rows oneDNN's whole GEMM sums differently, so a split that did not happen
-    fails here.)"""
+@pytest.mark.parametrize("packed", [False, True])
+def test_bf16_gemms_split_mid_size_row_counts_between_threads(ext, rows, with_bias, packed):
+    """bfloat16 prompt steps on oneDNN (the plain weight, or its packed one): with two threads,
+    512-2,047 rows are cut into two blocks (the first a multiple of 64 rows), each oneDNN's
+    matmul on one thread, bit for bit that GEMM on each block; other row counts are the GEMM
+    itself. (SmolLM2's gate/up shape: at 900-1,100 rows oneDNN's whole GEMM sums differently on
+    the plain or the packed weight, so a split that did not happen fails here.)"""
+    if packed and not _onednn_bf16():
+        pytest.skip("oneDNN computes no bfloat16 on this CPU: nothing is packed")
     gen = torch.Generator().manual_seed(rows)
     weight = (torch.randn(3072, 576, generator=gen) * 0.05).to(BF16)
     bias = torch.randn(3072, generator=gen).to(BF16) if with_bias else None
     x = torch.randn(rows, 576, generator=gen).to(BF16)
+    if packed:
+        layout = torch.ops.mkldnn._reorder_linear_weight(weight, 64)
+
+        def gemm(rows_of_x):
+            return torch.ops.mkldnn._linear_pointwise(rows_of_x, layout, bias, "none", [], "")
+
+        def split(rows_of_x):
+            return ext.bf16_onednn_linear_rows(rows_of_x, layout, 3072, bias)
+    else:
+
+        def gemm(rows_of_x):
+            return F.linear(rows_of_x, weight, bias)
+
+        def split(rows_of_x):
+            return ext.bf16_linear_rows(rows_of_x, weight, bias)
+
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        out = ext.bf16_linear_rows(x, weight, bias)
-        if 1024 <= rows < 2048:
-            half = (rows + 1) // 2
-            first = (half + 63) // 64 * 64  # half the rows, rounded up to 64
-            blocks = (x[:first], x[first:])
-            expected = torch.cat([F.linear(block, weight, bias) for block in blocks])
+        out = split(x)
+        if 512 <= rows < 2048:
+            first = ((rows + 1) // 2 + 63) // 64 * 64  # half the rows, rounded up to 64
+            expected = torch.cat([gemm(x[:first]), gemm(x[first:])])
         else:
-            expected = F.linear(x, weight, bias)
+            expected = gemm(x)
     finally:
         torch.set_num_threads(before)
-    assert out.dtype == BF16 and torch.equal(out, expected)
+    assert out.dtype == BF16 and out.shape == (rows, 3072) and torch.equal(out, expected)
 
 
 @pytest.mark.parametrize("rows", [1, 4, 17, 129, 300])

@@ -190,51 +190,95 @@ std::tuple<at::Tensor, at::Tensor> bf16_rms_norm(const at::Tensor& x, const at::
 
 // ---- large GEMMs, rows split between the threads ---------------------------------------------
 
-// Rows per thread from which bf16_linear_rows splits a GEMM between the threads, and up to
-// which (exclusive) it does.
-constexpr int64_t kSplitRowsPerThread = 512;
+namespace {
+
+// Rows per thread from which the bfloat16 GEMMs below split a GEMM between the threads, and up
+// to which (exclusive) they do.
+constexpr int64_t kSplitRowsPerThread = 256;
 constexpr int64_t kSplitRowsPerThreadEnd = 1024;
 
-// x [M, K] @ weight [N, K]^T (+ bias) as at::linear, bfloat16. From kSplitRowsPerThread to
-// kSplitRowsPerThreadEnd rows per thread the rows are cut into one block per thread (a multiple
-// of 64 rows each) and each thread runs oneDNN's matmul on its block alone (inside this
-// parallel region oneDNN runs on the calling thread). oneDNN's own split of such GEMMs over two
-// threads leaves one of them idle for some shapes and row counts: on an Intel Xeon (family 6,
-// model 167, 2 threads, 2026-12-04) SmolLM2's down projection (1,536 -> 576) ran at 1.5-1.7 us
-// a row from 1,024 to 1,280 rows and 0.74-0.80 from 1,408, its q/k/v (576 -> 960) at 0.8-1.0
-// from 1,088 to 1,408 rows and 0.42-0.45 from 1,536; split, at 0.84-0.91 and 0.42-0.52 at each
-// of those counts. A layer's four linears: 4.25 -> 3.25 ms at 1,024 rows, 6.60 -> 3.61 at 1,152,
-// 5.14 -> 3.93 at 1,280, 4.75 -> 4.51 at 1,408; level (within 1 %) at 2,112-2,176, where the
-// split is not taken. oneDNN picks its blocking of K per row count, so a split GEMM's rows can
-// differ from the whole GEMM's in the last bit; the modules and the layer loop both call this.
-at::Tensor bf16_linear_rows(const at::Tensor& x, const at::Tensor& weight,
-                            const c10::optional<at::Tensor>& bias) {
+// The rows of one thread's block when x [M, K] is split (a multiple of 64), or 0: not split.
+// oneDNN's own split of a mid-size GEMM over two threads leaves one of them idle for some
+// shapes and row counts; each thread running oneDNN alone on its own block of rows does not.
+// On an Intel Xeon (family 6, model 167, 2 threads, 2026-12-04), SmolLM2's four linears per
+// layer, whole -> split: on the packed weight 1.82 -> 1.56 ms at 512 rows, 3.10 -> 2.38 at 768,
+// 3.77 -> 3.18 at 1,000; on the plain weight 4.25 -> 3.25 at 1,024, 6.60 -> 3.61 at 1,152,
+// 5.14 -> 3.93 at 1,280; level (within 1 %) at 2,112-2,176, where it is not split. The down
+// projection (1,536 -> 576) ran at 1.2-1.7 us a row whole from 512 to 1,280 rows and at
+// 0.72-0.91 split; gate/up (576 -> 3,072) alone is 5-20 % slower split. oneDNN picks its
+// blocking of K per row count, so a split GEMM's rows can differ from the whole GEMM's in the
+// last bit: the modules and the layer loop both call these functions.
+int64_t split_block_rows(const at::Tensor& x) {
   const int64_t rows = x.dim() == 2 ? x.size(0) : 0;
-  const int threads = at::get_num_threads();
+  const int64_t threads = at::get_num_threads();
   if (threads < 2 || rows < kSplitRowsPerThread * threads ||
       rows >= kSplitRowsPerThreadEnd * threads || at::in_parallel_region() ||
       x.scalar_type() != at::kBFloat16) {
-    return at::linear(x, weight, bias);
+    return 0;
   }
-  check_bf16(weight, "bf16_linear_rows", "weight");
-  TORCH_CHECK(weight.dim() == 2 && weight.size(1) == x.size(1),
-              "bf16_linear_rows: x [M, K] and weight [N, K]");
-  const int64_t block = (rows + threads - 1) / threads;
-  const int64_t step = (block + 63) / 64 * 64;
-  at::Tensor out = at::empty({rows, weight.size(0)}, x.options());
-  const at::Tensor wt = weight.t();
-  const at::ThreadLocalState caller;  // inference mode, grad mode: the workers run ATen ops
-  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+  return ((rows + threads - 1) / threads + 63) / 64 * 64;
+}
+
+// fn(r0, r1) for each thread's block of `rows` rows, `step` rows each, on the caller's
+// thread-local state (inference mode, grad mode: the blocks run ATen ops on the workers).
+template <class F>
+void for_each_block(int64_t rows, int64_t step, F&& fn) {
+  const at::ThreadLocalState caller;
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t begin, int64_t end) {
     const at::ThreadLocalStateGuard guard(caller);
     for (int64_t t = begin; t < end; ++t) {
       const int64_t r0 = std::min(rows, t * step), r1 = std::min(rows, r0 + step);
-      if (r1 <= r0) continue;
-      at::Tensor part = out.narrow(0, r0, r1 - r0);
-      if (bias.has_value() && bias->defined())  // as at::linear: the bias in the same rounding
-        at::addmm_out(part, *bias, x.narrow(0, r0, r1 - r0), wt);
-      else
-        at::mm_out(part, x.narrow(0, r0, r1 - r0), wt);
+      if (r1 > r0) fn(r0, r1);
     }
+  });
+}
+
+}  // namespace
+
+// oneDNN's linear on its packed weight, as kernels/linear.py's _onednn calls it
+at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed,
+                         const c10::optional<at::Tensor>& bias) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                            c10::string_view, c10::List<std::optional<at::Scalar>>,
+                            std::optional<c10::string_view>)>();
+  return op.call(x.contiguous(), packed, bias, "none", c10::List<std::optional<at::Scalar>>(),
+                 c10::string_view(""));
+}
+
+// x [M, K] @ weight [N, K]^T (+ bias) as at::linear (bfloat16 prompt steps on the plain
+// weight), split between the threads where split_block_rows says so.
+at::Tensor bf16_linear_rows(const at::Tensor& x, const at::Tensor& weight,
+                            const c10::optional<at::Tensor>& bias) {
+  const int64_t step = split_block_rows(x);
+  if (step == 0) return at::linear(x, weight, bias);
+  check_bf16(weight, "bf16_linear_rows", "weight");
+  TORCH_CHECK(weight.dim() == 2 && weight.size(1) == x.size(1),
+              "bf16_linear_rows: x [M, K] and weight [N, K]");
+  at::Tensor out = at::empty({x.size(0), weight.size(0)}, x.options());
+  const at::Tensor wt = weight.t();
+  for_each_block(x.size(0), step, [&](int64_t r0, int64_t r1) {
+    at::Tensor part = out.narrow(0, r0, r1 - r0);
+    if (bias.has_value() && bias->defined())  // as at::linear: the bias in the same rounding
+      at::addmm_out(part, *bias, x.narrow(0, r0, r1 - r0), wt);
+    else
+      at::mm_out(part, x.narrow(0, r0, r1 - r0), wt);
+  });
+  return out;
+}
+
+// onednn_linear on the weight packed for `n` outputs, split between the threads where
+// split_block_rows says so (bfloat16 steps of a few hundred rows).
+at::Tensor bf16_onednn_linear_rows(const at::Tensor& x, const at::Tensor& packed, int64_t n,
+                                   const c10::optional<at::Tensor>& bias) {
+  const int64_t step = split_block_rows(x);
+  if (step == 0) return onednn_linear(x, packed, bias);
+  at::Tensor out = at::empty({x.size(0), n}, x.options());
+  const at::Tensor xc = x.contiguous();
+  for_each_block(x.size(0), step, [&](int64_t r0, int64_t r1) {
+    out.narrow(0, r0, r1 - r0).copy_(onednn_linear(xc.narrow(0, r0, r1 - r0), packed, bias));
   });
   return out;
 }
@@ -349,8 +393,12 @@ void register_bf16_ops(py::module& m) {
         "RMSNorm, after the residual add when given (bfloat16, CPU)", py::arg("x"),
         py::arg("weight"), py::arg("eps"), py::arg("residual") = py::none());
   m.def("bf16_linear_rows", &bf16_linear_rows, release_gil(),
-        "x @ weight^T (+ bias), bfloat16, large row counts split between the threads (CPU)",
+        "x @ weight^T (+ bias), bfloat16, mid-size row counts split between the threads (CPU)",
         py::arg("x"), py::arg("weight"), py::arg("bias") = py::none());
+  m.def("bf16_onednn_linear_rows", &bf16_onednn_linear_rows, release_gil(),
+        "oneDNN's linear on a packed weight, bfloat16, mid-size row counts split between the "
+        "threads (CPU)",
+        py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias") = py::none());
   m.def("bf16_silu_mul", &bf16_silu_mul, release_gil(),
         "silu(gate) * up of a fused gate/up output (bfloat16, CPU)", py::arg("gate_up"));
 }

@@ -38,6 +38,10 @@ at::Tensor silu_mul(const at::Tensor& gate_up);
 at::Tensor bf16_silu_mul(const at::Tensor& gate_up);
 at::Tensor bf16_linear_rows(const at::Tensor& x, const at::Tensor& weight,
                             const c10::optional<at::Tensor>& bias);
+at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed,
+                         const c10::optional<at::Tensor>& bias);
+at::Tensor bf16_onednn_linear_rows(const at::Tensor& x, const at::Tensor& packed, int64_t n,
+                                   const c10::optional<at::Tensor>& bias);
 at::Tensor rotary_fill_kv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                           const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
                           at::Tensor& v_cache, const at::Tensor& slot_mapping);
@@ -104,19 +108,6 @@ Group make_group(int64_t kind, const std::vector<at::Tensor>& t) {
   Group g{false, t[0], t[3]};
   g.q_start = t[1], g.q_lens = t[2];
   return g;
-}
-
-// oneDNN's linear on its packed weight, as kernels/linear.py's _onednn calls it
-at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed,
-                         const c10::optional<at::Tensor>& bias) {
-  static const auto op =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
-          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
-                            c10::string_view, c10::List<std::optional<at::Scalar>>,
-                            std::optional<c10::string_view>)>();
-  return op.call(x.contiguous(), packed, bias, "none", c10::List<std::optional<at::Scalar>>(),
-                 c10::string_view(""));
 }
 
 struct Layer {
@@ -237,7 +228,9 @@ class DecodeLoop {
         return sgemm_packed_linear(x.contiguous(), *linear.packed, linear.weight, linear.bias);
       case kOneDNN:
         TORCH_CHECK(has_packed, "DecodeLoop: no packed weight");
-        return onednn_linear(x, *linear.packed, linear.bias);
+        return bf16() ? bf16_onednn_linear_rows(x, *linear.packed, linear.weight.size(0),
+                                                linear.bias)
+                      : onednn_linear(x, *linear.packed, linear.bias);
       case kBf16Tiles:
         TORCH_CHECK(has_packed, "DecodeLoop: no packed weight");
         return bf16_vnni_linear(x, *linear.packed, linear.weight.size(0), linear.bias);
