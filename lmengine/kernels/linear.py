@@ -31,8 +31,8 @@ bfloat16 weights (csrc/bf16_ops.cpp, AVX512-BF16 dot products), 4-1,023 rows one
 bfloat16 weight (AMX tiles), from 1,024 rows oneDNN's matmul on the plain weight (it reorders the
 weight per call, a cost the large GEMM hides, and picks its blocking for the real row count: a
 4,064-token SmolLM2 prefill step 5-12 % faster than on the weight packed for 64 rows), on rows
-padded to a multiple of 64 (`padded_rows`). At 256-1,023 rows per thread the compiled kernels split
-the rows of either between the threads, each block a single-threaded oneDNN matmul
+padded to a multiple of 64 (`padded_rows`). With two threads, at 512-2,047 rows the compiled
+kernels split the rows of either between the threads, each block a single-threaded oneDNN matmul
 (`bf16_linear_rows`, `bf16_onednn_linear_rows`: oneDNN's own two-thread split of some shapes there
 runs at one thread's speed; SmolLM2 steps of 8 / 10 / 12 prompts 171 / 193-202 / 225 -> 138 /
 179-181 / 198-206 ms). `LMENGINE_BF16_GEMM=tiles` packs the weights instead in VNNI blocks for the
@@ -273,8 +273,8 @@ def is_intel_cpu(cpuinfo: str) -> bool:
 
 
 def _plain_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """`F.linear` for a bfloat16 prompt step: below 1,024 rows per thread the compiled kernel
-    splits the rows between the threads (oneDNN's own split of some shapes there leaves a thread
+    """`F.linear` for a bfloat16 prompt step: below 2,048 rows on two threads the compiled kernel
+    splits the rows between them (oneDNN's own split of some shapes there leaves a thread
     idle; csrc/bf16_ops.cpp), as the compiled layer loop does."""
     module = cpu_ext.load()
     if module is None:

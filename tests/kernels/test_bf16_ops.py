@@ -80,11 +80,11 @@ def test_bf16_linear_paths_match_f_linear(rows, in_features, with_bias, gemm, mo
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("packed", [False, True])
 def test_bf16_gemms_split_mid_size_row_counts_between_threads(ext, rows, with_bias, packed):
-    """bfloat16 prompt steps on oneDNN (the plain weight, or its packed one): with two threads,
-    512-2,047 rows are cut into two blocks (the first a multiple of 64 rows), each oneDNN's
-    matmul on one thread, bit for bit that GEMM on each block; other row counts are the GEMM
-    itself. (SmolLM2's gate/up shape: at 900-1,100 rows oneDNN's whole GEMM sums differently on
-    the plain or the packed weight, so a split that did not happen fails here.)"""
+    """bfloat16 prompt steps on oneDNN (the plain weight, or its packed one): with two threads
+    (and only two), 512-2,047 rows are cut into two blocks (the first a multiple of 64 rows),
+    each oneDNN's matmul on one thread, bit for bit that GEMM on each block; other row counts
+    are the GEMM itself. (SmolLM2's gate/up shape: at 900-1,100 rows oneDNN's whole GEMM sums
+    differently on the plain or the packed weight, so a split that did not happen fails here.)"""
     if packed and not _onednn_bf16():
         pytest.skip("oneDNN computes no bfloat16 on this CPU: nothing is packed")
     gen = torch.Generator().manual_seed(rows)
@@ -116,6 +116,8 @@ def test_bf16_gemms_split_mid_size_row_counts_between_threads(ext, rows, with_bi
             expected = torch.cat([gemm(x[:first]), gemm(x[first:])])
         else:
             expected = gemm(x)
+        torch.set_num_threads(4)  # measured with two threads only: more keep oneDNN's own split
+        assert torch.equal(split(x), gemm(x))
     finally:
         torch.set_num_threads(before)
     assert out.dtype == BF16 and out.shape == (rows, 3072) and torch.equal(out, expected)

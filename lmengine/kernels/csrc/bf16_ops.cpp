@@ -193,9 +193,11 @@ std::tuple<at::Tensor, at::Tensor> bf16_rms_norm(const at::Tensor& x, const at::
 namespace {
 
 // Rows per thread from which the bfloat16 GEMMs below split a GEMM between the threads, and up
-// to which (exclusive) they do.
+// to which (exclusive) they do; and the most threads they split for. Measured with two: with
+// many, each thread would read the whole weight for its block, where oneDNN shares its tiles.
 constexpr int64_t kSplitRowsPerThread = 256;
 constexpr int64_t kSplitRowsPerThreadEnd = 1024;
+constexpr int64_t kMaxSplitThreads = 2;
 
 // The rows of one thread's block when x [M, K] is split (a multiple of 64), or 0: not split.
 // oneDNN's own split of a mid-size GEMM over two threads leaves one of them idle for some
@@ -211,7 +213,7 @@ constexpr int64_t kSplitRowsPerThreadEnd = 1024;
 int64_t split_block_rows(const at::Tensor& x) {
   const int64_t rows = x.dim() == 2 ? x.size(0) : 0;
   const int64_t threads = at::get_num_threads();
-  if (threads < 2 || rows < kSplitRowsPerThread * threads ||
+  if (threads < 2 || threads > kMaxSplitThreads || rows < kSplitRowsPerThread * threads ||
       rows >= kSplitRowsPerThreadEnd * threads || at::in_parallel_region() ||
       x.scalar_type() != at::kBFloat16) {
     return 0;
