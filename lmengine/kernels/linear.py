@@ -194,12 +194,12 @@ def linear(
             x_padded[:rows] = x
             return plain(x_padded, weight, bias)[:rows]
         return plain(x, weight, bias)
-    if kernel == ONEDNN:
-        if x.dtype == torch.bfloat16 and cpu_ext.load() is not None:
-            # split between the threads at a few hundred rows, as the layer loop does
-            return cpu_ext.load().bf16_onednn_linear_rows(x, packed, weight.shape[0], bias)
-        return _onednn(x, packed, bias)
     module = cpu_ext.load()
+    if kernel == ONEDNN:
+        if x.dtype == torch.bfloat16 and module is not None:
+            # split between the threads at a few hundred rows, as the layer loop does
+            return module.bf16_onednn_linear_rows(x, packed, weight.shape[0], bias)
+        return _onednn(x, packed, bias)
     if kernel == GEMV:
         return module.gemv(x.contiguous(), weight, bias)
     if kernel == BF16_GEMV:
