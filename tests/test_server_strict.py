@@ -9,6 +9,7 @@ hand; a real process for the shutdown."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import signal
 import threading
@@ -19,6 +20,7 @@ from fastapi.testclient import TestClient
 
 from lmengine import Engine, EngineConfig
 from lmengine.serve.app import ServerSettings, build_app
+from lmengine.serve.client import ServerContext
 from tests.test_server import API_KEY, start_server
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -161,6 +163,33 @@ def test_templating_and_tokenizing_run_off_the_event_loop(app):
     finally:
         client.encode_chat, client.encode_text = encode_chat, encode_text
     assert len(threads) == 2 and all(t.startswith("lmengine-tokenize") for t in threads)
+
+
+def test_tokenizing_threads_take_tokenizer_copies_made_at_start(app, monkeypatch):
+    """Each tokenizing thread has its own tokenizer, copied when the server started: the first
+    burst (two requests at once start the second thread) does not wait for a deep copy."""
+    shared = app.app.state.client
+    context = ServerContext(shared.engine, shared.settings)  # a server's start: no thread yet
+    copies = []
+    monkeypatch.setattr(
+        "lmengine.serve.client.copy.deepcopy", lambda obj: copies.append(obj) or obj
+    )
+    both = threading.Barrier(2, timeout=30)
+
+    def tokenizer_of_this_thread():
+        both.wait()  # both threads at once: the pool has to start two
+        return context.local_tokenizer()
+
+    async def two_at_once():
+        return await asyncio.gather(*(context.off_loop(tokenizer_of_this_thread) for _ in "ab"))
+
+    try:
+        first, second = asyncio.run(two_at_once())
+    finally:
+        context.close()
+    assert first is not second
+    assert context.tokenizer not in (first, second)
+    assert copies == []  # both made at start
 
 
 def test_openapi_document_says_what_the_server_answers(app):
