@@ -31,6 +31,7 @@ CASES = [
     ([300, 2], [300, 2]),
     ([30, 64, 1], [200, 64, 17]),
     ([129, 65], [400, 65]),
+    ([100] * 12, [100] * 12),  # a burst of short prompts: the bfloat16 kernel's task batches
 ]
 
 
