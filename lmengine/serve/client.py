@@ -96,10 +96,9 @@ class ServerContext:
 
     # ---- text -> token ids --------------------------------------------------------------------
     def _own_tokenizer(self) -> None:
-        # NOTE: list.pop is atomic; a pool thread lives as long as the pool, so the spares
-        # suffice, and the copy is only a guard
-        spare = self._spare_tokenizers
-        self._local.tokenizer = spare.pop() if spare else copy.deepcopy(self.tokenizer)
+        # NOTE: list.pop is atomic, and the pool starts at most NUM_TOKENIZING_THREADS threads,
+        # each living as long as the pool: one spare each
+        self._local.tokenizer = self._spare_tokenizers.pop()
 
     def local_tokenizer(self):
         """The tokenizer of the calling tokenizing thread (the shared one elsewhere)."""
