@@ -20,12 +20,12 @@ from tests.hf_reference import hf_greedy
 
 class Address(BaseModel):
     city: str = Field(max_length=12)
-    zip: int
+    zip: int = Field(ge=0, le=99999)
 
 
 class Person(BaseModel):
     name: str = Field(max_length=10)
-    age: int
+    age: int = Field(ge=0, le=150)  # bounded like every field: sampled outputs always end
     role: Literal["admin", "user", "guest"]
     tags: list[Literal["a", "b", "c"]] = Field(max_length=3)
     address: Address
