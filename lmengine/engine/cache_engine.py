@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import math
 import mmap
 import time
 from collections.abc import Iterable
@@ -161,16 +162,23 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     """A zero-filled cache tensor.
 
     NOTE: zeros, not empty: padded attention multiplies masked slots by 0, and a NaN bit
-    pattern from uninitialised memory would survive that. On CPU, numpy's calloc maps zero
-    pages lazily, so a pool of several GB costs nothing until blocks are used.
+    pattern from uninitialised memory would survive that. On the CPU it is an anonymous
+    mapping of its own: zero pages, mapped lazily, so a pool of several GB costs nothing until
+    blocks are used, and unmapped with the pool. calloc (numpy's zeros) served it from a heap
+    the process had freed memory to (malloc.py keeps it) and zeroed it with memset: 60 x 79 MB
+    (SmolLM2's default pool) in 1.45 s after 4.8 GB were freed, and in ~15 s on memory a VM
+    had not backed yet; the mapping takes a millisecond either way (Intel Xeon, 2026-12-04).
     """
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     import numpy as np
 
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    raw = np.zeros(shape, dtype={2: np.uint16, 4: np.uint32, 1: np.uint8}[itemsize])
-    return torch.from_numpy(raw).view(dtype)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0 or not hasattr(mmap, "MAP_PRIVATE"):  # no anonymous private maps (Windows)
+        return torch.zeros(shape, dtype=dtype)
+    pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    # the array holds the mapping and the tensor the array: unmapped when the tensor goes
+    return torch.from_numpy(np.frombuffer(pages, dtype=np.uint8)).view(dtype).view(shape)
 
 
 def map_now(t: torch.Tensor) -> int:
