@@ -36,6 +36,7 @@ def limited(smollm2_path, tmp_path_factory):
         smollm2_path,
         "--max-batch-size", "1",
         "--num-threads", "1",
+        "--num-gpu-blocks", "1024",  # mapping the default pool at start took 22 s of the run
         "--max-queued-requests", "30",
         "--request-timeout", "8",
         "--grace-period", "20",

@@ -214,8 +214,9 @@ def test_shutdown_ends_every_request_with_a_readable_error(tiny_llama_path):
     """SIGTERM with requests running past the grace period: the stream ends with an error
     event and [DONE], the non-streaming request gets a JSON 503, the process exits 0."""
     proc, url = start_server(
-        tiny_llama_path, "--api-keys", API_KEY, "--grace-period", "2", "--num-threads", "1"
-    )
+        tiny_llama_path, "--api-keys", API_KEY, "--grace-period", "2", "--num-threads", "1",
+        "--num-gpu-blocks", "512",
+    )  # fmt: skip
     long = {"max_tokens": 900, "ignore_eos": True, "prompt": "Once"}
     results = {}
 
