@@ -5,6 +5,7 @@ own, never a heap's freed memory (which would be zeroed page by page when it is 
 
 from __future__ import annotations
 
+import os
 import sys
 
 import pytest
@@ -37,8 +38,19 @@ grown = rss() - before
 tensors = [t for layer in cache.kv_caches for t in layer]
 zeros = all(not t.any() for t in tensors)
 reused = any(lo <= t.data_ptr() < hi for t in tensors for lo, hi in freed)
+vmas = []  # (start, end, VmFlags) of each mapping of the process
+with open("/proc/self/smaps") as f:
+    for line in f:
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            vmas.append([lo, hi, []])
+        elif head == "VmFlags:":
+            vmas[-1][2] = line.split()[1:]
+huge = [any(lo <= t.data_ptr() < hi and "hg" in flags for lo, hi, flags in vmas)
+        for t in tensors]
 print(json.dumps({"pool": blocks * spec.block_bytes, "grown": grown, "zeros": zeros,
-                  "reused": reused}))
+                  "reused": reused, "huge": huge}))
 """
 
 
@@ -55,6 +67,18 @@ def test_a_prefaulted_pool_is_resident_from_the_start(kv, layout):
     lazy = _pool(kv, layout, prefault=False)
     assert lazy["zeros"]
     assert lazy["grown"] < 0.1 * lazy["pool"], lazy
+
+
+@pytest.mark.skipif(
+    not os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled"),
+    reason="a kernel without transparent huge pages",
+)
+def test_a_prefaulted_pool_asks_for_huge_pages_and_a_lazy_one_does_not():
+    """A pool mapped at start is in huge pages (madvise: one TLB entry per 2 MB of the blocks
+    a step reaches); one mapped as blocks are first written stays in 4 KiB pages, each first
+    write faulting in 4 KiB, not a zeroed 2 MB."""
+    assert all(_pool("auto", "plain", prefault=True)["huge"])
+    assert not any(_pool("auto", "plain", prefault=False)["huge"])
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's heaps")
