@@ -204,6 +204,24 @@ def test_bf16_silu_mul_matches_reference(ext, rows, inter, threads):
     assert ulps_apart(silu_mul(wide[:, : 2 * inter]), silu_mul_ref(wide[:, : 2 * inter])) <= 2
 
 
+def test_bf16_silu_mul_of_every_bfloat16_gate(ext, threads):
+    """SwiGLU reads silu from a table of every bfloat16 value (AVX-512 builds): each of the
+    65,536 gate values, times up values of every magnitude, against torch's two roundings;
+    24 columns, so that the rows' last 8 take the scalar loop."""
+    every = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(BF16)
+    gate = torch.cat([every, every[:8]]).reshape(-1, 24)  # 65,544 = 2,731 rows x 24
+    gen = torch.Generator().manual_seed(7)
+    scale = 10.0 ** torch.randint(-3, 4, gate.shape, generator=gen)
+    up = (torch.randn(gate.shape, generator=gen) * scale).to(BF16)
+    gate_up = torch.cat([gate, up], 1)
+    out, ref = silu_mul(gate_up), silu_mul_ref(gate_up)
+    assert torch.equal(out.isnan(), ref.isnan())
+    finite = ~ref.isnan()
+    assert torch.equal(out[finite].signbit(), ref[finite].signbit())
+    assert ulps_apart(out[finite], ref[finite]) <= 2
+    assert torch.equal(silu_mul(gate_up[:10]), out[:10])  # a row's result whatever the batch
+
+
 def test_bf16_rows_keep_denormals_infinities_and_nan(ext, threads):
     """The kernels' rounding to bfloat16 (vcvtneps2bf16 where the CPU has it, which flushes
     denormals, with the integer rounding for vectors that hold one) and the SwiGLU's

@@ -21,6 +21,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "bf16_rows.h"
 #include "bindings.h"
@@ -284,6 +285,21 @@ at::Tensor bf16_onednn_linear_rows(const at::Tensor& x, const at::Tensor& packed
   });
   return out;
 }
+
+#if defined(__AVX512F__)
+const uint16_t* silu_bf16_table() {
+  static const std::vector<uint16_t> table = [] {
+    std::vector<uint16_t> t(65536 + 1, 0);
+    alignas(64) uint16_t bits[16];
+    for (int32_t g0 = 0; g0 < 65536; g0 += 16) {
+      for (int32_t j = 0; j < 16; ++j) bits[j] = static_cast<uint16_t>(g0 + j);
+      store_bf16x16(t.data() + g0, silu_bf16x16(load_bf16x16(bits)));
+    }
+    return t;
+  }();
+  return table.data();
+}
+#endif
 
 // gate_up: [M, 2 * I] bfloat16, rows contiguous -> bf16(bf16(silu(gate)) * up) [M, I]
 at::Tensor bf16_silu_mul(const at::Tensor& gate_up) {
