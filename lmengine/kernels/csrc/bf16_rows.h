@@ -11,8 +11,8 @@
 
 #if defined(__AVX512F__)
 // bf16(silu(g)) for each of the 65,536 bfloat16 values g, indexed by g's bits (65,537 entries:
-// the gather below reads 4 bytes at each index). bf16_ops.cpp builds it once, with the vector
-// formula of silu_mul_row_bf16's former loop, so the table gives the very bits it gave.
+// the gather below reads 4 bytes at each index). bf16_ops.cpp builds it once with
+// silu_bf16x16, so a table entry has the very bits the formula gives for its gate.
 const uint16_t* silu_bf16_table();
 #endif
 
@@ -143,10 +143,10 @@ inline v16f silu_bf16x16(v16f g) {
 
 // bf16(bf16(silu(gate)) * up): torch's bfloat16 silu rounds before the multiply. With AVX-512
 // the rounded silu of each gate value comes from silu_bf16_table (one vpgatherdd for 16 lanes)
-// rather than from the formula (its exp, reciprocal and rounding: some 40 vector operations for
-// 16 lanes, on the two ports that run 512-bit operations):
-// the same bits, and SwiGLU at 2,112 x 1,536 (SmolLM2's prompt step) 1.03 -> 0.55 ms, where it
-// runs at the memory's speed (Intel Xeon family 6 model 167, 2 threads, 2026-12-04).
+// instead of silu_bf16x16 (exp, reciprocal and roundings: some 40 vector operations for 16
+// lanes, on the two ports that run 512-bit operations). The same bits; SwiGLU at 2,112 x 1,536
+// (SmolLM2's prompt step) 1.03 -> 0.55 ms, where it runs at the memory's speed (Intel Xeon
+// family 6 model 167, 2 threads, 2026-12-04).
 inline void silu_mul_row_bf16(const uint16_t* gate, const uint16_t* up, uint16_t* act, int64_t n) {
 #if defined(__AVX512F__)
   const uint16_t* silu = silu_bf16_table();
