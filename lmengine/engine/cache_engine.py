@@ -182,8 +182,6 @@ def _zeros(
     """
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    import numpy as np
-
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if nbytes == 0 or not hasattr(mmap, "MAP_PRIVATE"):  # no anonymous private maps (Windows)
         return torch.zeros(shape, dtype=dtype)
@@ -193,8 +191,8 @@ def _zeros(
             pages.madvise(mmap.MADV_HUGEPAGE)
         except OSError:  # a kernel without transparent huge pages
             pass
-    # the array holds the mapping and the tensor the array: unmapped when the tensor goes
-    return torch.from_numpy(np.frombuffer(pages, dtype=np.uint8)).view(dtype).view(shape)
+    # the tensor holds the mapping: unmapped when the tensor goes
+    return torch.frombuffer(pages, dtype=torch.uint8).view(dtype).view(shape)
 
 
 def map_now(t: torch.Tensor) -> int:
