@@ -31,6 +31,8 @@ def _check_range(name: str, value, low=None, high=None, *, low_open: bool = Fals
     """Raise ValueError unless `low <= value <= high` (or `low < value` when `low_open`)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{name} must be a number, got {value!r}")
+    if value != value:  # NaN passes every comparison below
+        raise ValueError(f"{name} must be a number, got nan")
     if low is not None and (value <= low if low_open else value < low):
         op = ">" if low_open else ">="
         raise ValueError(f"{name} must be {op} {low}, got {value!r}")
@@ -151,6 +153,11 @@ class EngineConfig:
     # NOTE: prompt chunks fill what the step's predicted time (a cost model fitted to the
     # engine's own steps, scheduler/step_cost.py) leaves after its decodes
     max_step_ms: float = 0.0  # a step's latency target in ms; 0 = the token budget alone
+    # NOTE: an idle engine's first step waits while a burst arrives (engine._gather_burst):
+    # requests announced by a front door (Client.expect_arrival), and once two or more
+    # wait, requests less than burst_gap_ms apart; a lone request never waits
+    burst_wait_ms: float = 100.0  # the longest an idle engine waits for a burst's requests
+    burst_gap_ms: float = 0.0  # arrivals this close are one burst; 0 = announced ones only
     session_len: int | None = None  # max prompt + generated tokens; None = model's limit
     eviction_type: str = "recompute"  # how to preempt when blocks run out
     scheduling_policy: str = "fcfs"
@@ -187,6 +194,8 @@ class EngineConfig:
         _check_int("max_batch_size", self.max_batch_size, 1)
         _check_int("max_prefill_token_num", self.max_prefill_token_num, 1)
         _check_range("max_step_ms", self.max_step_ms, 0)
+        _check_range("burst_wait_ms", self.burst_wait_ms, 0)
+        _check_range("burst_gap_ms", self.burst_gap_ms, 0)
         if self.session_len is not None:
             _check_int("session_len", self.session_len, 1)
         _check_choice("eviction_type", self.eviction_type, EVICTION_TYPES)

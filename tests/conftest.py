@@ -51,6 +51,7 @@ TEST_KINDS = {
     "engine": [
         "test_decode_loop.py",
         "test_engine.py",
+        "test_burst.py",
         "test_first_token.py",
         "test_kv_pool_sizing.py",
         "test_kv_prefault.py",

@@ -9,7 +9,7 @@ and is validated once either way.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from lmengine.config import GenerationConfig
@@ -53,6 +53,13 @@ class Client:
         it as it is."""
         self._engine.validator.validate(req)
         req.validated = True
+
+    def expect_arrival(self) -> Callable[[], None]:
+        """Announce a request received and still being prepared (read, tokenized); call the
+        function returned once it is submitted or refused. An idle engine's first step waits
+        for announced requests (`EngineConfig.burst_wait_ms`), so that a burst arriving
+        together starts in one step."""
+        return self._engine.request_manager.expect_arrival()
 
     def submit(self, req: AddRequest) -> None:
         """Queue `req`; its Responses (deltas) go to its queue. A refused request gets one

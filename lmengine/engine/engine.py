@@ -354,6 +354,8 @@ class Engine(LoraAdmin):
                     release_at = None
                 for req in self.request_manager.drain(block=idle):
                     self._handle(req)
+                if idle and self.scheduler.has_unfinished:
+                    self._gather_burst()
                 if self.scheduler.has_unfinished:
                     self.step()
                     release_at = time.monotonic() + IDLE_RELEASE_S
@@ -368,6 +370,17 @@ class Engine(LoraAdmin):
                     record.request, error_response(record.request, self._stop_reason)
                 )
             self.requests.clear()
+
+    def _gather_burst(self) -> None:
+        """Take a burst arriving at an idle engine into its first step (`RequestManager.burst`),
+        until the waiting prompts fill a step: else the burst's first prompt or two would run
+        alone, and every other prompt of the burst would wait that step out too."""
+        cfg, sched = self.engine_config, self.scheduler
+        wait_s, gap_s = cfg.burst_wait_ms / 1000, cfg.burst_gap_ms / 1000
+        inbox = self.request_manager
+        for got in inbox.burst(wait_s, gap_s, sched.waiting, sched.waiting_fill_a_step):
+            for req in got:
+                self._handle(req)
 
     def _handle(self, req: Request) -> None:
         if isinstance(req, AddRequest):

@@ -15,7 +15,7 @@ import dataclasses
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sized
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -216,6 +216,54 @@ class RequestManager:
         self._lock = threading.Lock()  # NOTE: a request enters the inbox or is refused, whole
         self._closed_reason: str | None = None
         self._wakeup = threading.Event()
+        self._arriving = 0  # requests a front door has received and not yet submitted
+
+    def expect_arrival(self) -> Callable[[], None]:
+        """Count one request that a front door has received and is still preparing (reading,
+        tokenizing); the function returned stops counting it, once, however often called
+        (call it after submitting, and again wherever the request may end unsubmitted)."""
+        with self._lock:
+            self._arriving += 1
+        arrived = threading.Event()
+
+        def done() -> None:
+            with self._lock:
+                if arrived.is_set():
+                    return
+                arrived.set()
+                self._arriving -= 1
+            self._wakeup.set()  # an engine gathering a burst looks again
+
+        return done
+
+    def num_arriving(self) -> int:
+        """Requests received by a front door and not yet submitted (`expect_arrival`)."""
+        return self._arriving
+
+    # ---- the engine loop thread ---------------------------------------------------------------
+    def burst(
+        self, wait_s: float, gap_s: float, waiting: Sized, full: Callable[[], bool]
+    ) -> Iterator[list[Request]]:
+        """The rest of a burst arriving at an idle engine, as it comes (each list drained), until
+        `full()` (a step's worth waits): while requests are announced (`expect_arrival`), and
+        once two or more are `waiting` (the scheduler's queue; a lone request never waits) as
+        long as they keep coming less than `gap_s` apart; for `wait_s` at most."""
+        last = time.monotonic()  # when the latest request came
+        deadline = last + wait_s
+        while not full():
+            if self.num_arriving():
+                until = deadline
+            elif len(waiting) >= 2:
+                until = min(deadline, last + gap_s)
+            else:
+                return
+            left = until - time.monotonic()
+            if left <= 0:
+                return
+            got = self.drain(block=True, timeout=left)
+            if got:
+                last = time.monotonic()
+            yield got
 
     # ---- any thread ---------------------------------------------------------------------------
     def submit(self, req: Request) -> None:
@@ -247,7 +295,6 @@ class RequestManager:
     def closed_reason(self) -> str | None:
         return self._closed_reason
 
-    # ---- the engine loop thread ---------------------------------------------------------------
     def drain(self, block: bool, timeout: float = 0.05) -> list[Request]:
         """All pending requests; waits up to `timeout` for the first one when `block`."""
         if block and self._inbox.empty():

@@ -135,6 +135,11 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
+    def waiting_fill_a_step(self) -> bool:
+        """Whether the waiting prompts alone fill a step's prompt-token budget or batch."""
+        tokens = sum(seq.num_tokens for seq in self.waiting)
+        return tokens >= self.max_prefill_token_num or len(self.waiting) >= self.max_batch_size
+
     def live_sequences(self) -> Iterable[Sequence]:
         return [*self.running, *self.waiting, *self.swapped]
 

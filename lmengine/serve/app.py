@@ -57,6 +57,7 @@ def build_app(engine, settings: ServerSettings) -> FastAPI:
         limit=settings.max_body_bytes,
         metrics=client.metrics,
         timeout=settings.body_timeout,
+        expect_arrival=engine.client.expect_arrival,
     )
     # NOTE: this order is the order of the paths in the OpenAPI document
     app.include_router(health_router(client))

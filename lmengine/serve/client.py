@@ -17,7 +17,7 @@ from lmengine.config import GenerationConfig
 from lmengine.engine.request import RequestError, Response
 from lmengine.serve.errors import APIError, engine_error
 from lmengine.serve.jobs import Job, ResponseRouter
-from lmengine.serve.limits import received_at
+from lmengine.serve.limits import arrived_callback, received_at
 from lmengine.serve.logprobs import TokenTexts
 from lmengine.serve.metrics import ServerMetrics
 from lmengine.serve.settings import ServerSettings
@@ -151,6 +151,7 @@ class ServerContext:
             endpoint,
             self.settings.request_timeout or None,
             received_at(request),
+            arrived_callback(request),
         )
 
     def submit(

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from lmengine.config import GenerationConfig
@@ -87,9 +87,11 @@ class Job:
         endpoint: str,
         timeout: float | None,
         received: float | None = None,
+        arrived: Callable[[], None] | None = None,
     ) -> None:
         """`received`: when the HTTP request arrived (time.monotonic(); default: now), where
-        its time to first token starts."""
+        its time to first token starts; `arrived`: told once the job has submitted (the
+        engine waits for announced arrivals: `Client.expect_arrival`)."""
         self.client, self.router, self.metrics, self.endpoint = client, router, metrics, endpoint
         self.choices: list[Choice] = []
         self.by_request: dict[int, int] = {}  # engine request id -> choice index
@@ -100,6 +102,7 @@ class Job:
         self.num_done = 0
         self.started = asyncio.Event()  # a choice has its first response
         self.cancel_reason: str | None = None
+        self.arrived = arrived
 
     # ---- submission ---------------------------------------------------------------------------
     def submit(self, requests: list[AddRequest]) -> None:
@@ -115,6 +118,8 @@ class Job:
             self.client.submit(req)
             if self.cancel_reason is not None:
                 break  # refused before the others were sent: they are cancelled already
+        if self.arrived is not None:
+            self.arrived()
 
     # ---- the event loop: responses ------------------------------------------------------------
     def on_response(self, resp: Response) -> None:

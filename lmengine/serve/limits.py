@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
 from starlette.responses import JSONResponse
 
@@ -54,13 +55,34 @@ class BodyLimit:
     """ASGI middleware: 413 for an HTTP request body of more than `limit` bytes, 408 for one
     not read whole within `timeout` seconds (0: no limit, no timeout)."""
 
-    def __init__(self, app, limit: int, metrics: ServerMetrics, timeout: float = 0.0) -> None:
+    def __init__(
+        self,
+        app,
+        limit: int,
+        metrics: ServerMetrics,
+        timeout: float = 0.0,
+        expect_arrival: Callable[[], Callable[[], None]] | None = None,
+    ) -> None:
+        """`expect_arrival` (the engine client's): announces each POST to the engine from
+        here until the route submits it (`arrived`) or the response ends."""
         self.app, self.limit, self.metrics, self.timeout = app, limit, metrics, timeout
+        self.expect_arrival = expect_arrival
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http":  # where a request's time starts (`received_at`)
-            scope.setdefault("state", {})["received"] = time.monotonic()
-        if scope["type"] != "http" or (self.limit <= 0 and self.timeout <= 0):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        state = scope.setdefault("state", {})
+        state["received"] = time.monotonic()  # where a request's time starts (`received_at`)
+        if self.expect_arrival is None or scope.get("method") != "POST":
+            return await self._serve(scope, receive, send)
+        done = state["arrived"] = self.expect_arrival()
+        try:
+            await self._serve(scope, receive, send)
+        finally:
+            done()
+
+    async def _serve(self, scope, receive, send) -> None:
+        if self.limit <= 0 and self.timeout <= 0:
             return await self.app(scope, receive, send)
         declared = dict(scope.get("headers") or []).get(b"content-length")
         if declared is not None and declared.isdigit():
@@ -102,6 +124,12 @@ class BodyLimit:
 def received_at(request) -> float | None:
     """When the server first saw `request` (time.monotonic()), before reading its body."""
     return getattr(request.state, "received", None)
+
+
+def arrived_callback(request) -> Callable[[], None] | None:
+    """What tells the engine that `request`, announced on arrival, is submitted (None where it
+    was not announced)."""
+    return getattr(request.state, "arrived", None)
 
 
 def _replay(messages: list[dict], then=None):

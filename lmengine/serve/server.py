@@ -26,8 +26,14 @@ from lmengine.serve.tools import TOOL_PARSERS
 # turns rather than all after one long step. 2,048 rather than fewer: running streams are
 # stalled in fewer steps, so under a burst the 99th percentile gap between tokens stays a
 # decode step's own (docs/serving_latency.md); `--max-prefill-token-num` sets it. A server
-# also maps its KV pool at start (`--no-prefault-kv-cache`: at first use, as offline).
-SERVE_ENGINE_DEFAULTS = {"max_prefill_token_num": 2048, "prefault_kv_cache": True}
+# also maps its KV pool at start (`--no-prefault-kv-cache`: at first use, as offline), and an
+# idle server's first step waits for the rest of a burst arriving (`--burst-gap-ms`: requests
+# less than 25 ms apart once two have come; a lone request does not wait).
+SERVE_ENGINE_DEFAULTS = {
+    "max_prefill_token_num": 2048,
+    "prefault_kv_cache": True,
+    "burst_gap_ms": 25.0,
+}
 
 
 def add_serve_flags(parser: argparse.ArgumentParser) -> None:
