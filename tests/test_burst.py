@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 from fastapi.testclient import TestClient
@@ -39,11 +40,10 @@ def _run(engine: Engine, session_id: int, prompt: list[int], out: dict) -> threa
 
 def _wait_for_pending(engine: Engine, num: int) -> None:
     """Until `num` requests have been taken by the loop or sit in its inbox."""
-    for _ in range(10_000):
-        if len(engine.requests) + engine.request_manager.num_pending() >= num:
-            return
-        threading.Event().wait(0.001)
-    raise AssertionError(f"fewer than {num} requests reached the engine")
+    deadline = time.monotonic() + 60
+    while len(engine.requests) + engine.request_manager.num_pending() < num:
+        assert time.monotonic() < deadline, f"fewer than {num} requests reached the engine"
+        time.sleep(0.001)
 
 
 def test_an_announced_arrival_joins_the_idle_engines_first_step(tiny_llama_path):
@@ -109,24 +109,45 @@ def test_requests_close_together_join_one_step_until_the_budget_is_full(tiny_lla
 def test_a_lone_request_and_an_arrival_that_never_comes_do_not_hold_the_engine(
     tiny_llama_path,
 ):
-    """A lone request runs at once, whatever the gap (here one no test reaches); an
-    announcement never ended holds an idle engine's first step for `burst_wait_ms` only."""
+    """A lone request runs at once, whatever the gap and the cap (here ones no test reaches:
+    held, it would not finish within the join's timeout); an announcement never ended holds
+    an idle engine's first step for `burst_wait_ms` only."""
+    for wait_ms, announce in ((FOREVER_MS, False), (20.0, True)):
+        engine = Engine.from_pretrained(
+            tiny_llama_path,
+            EngineConfig(num_gpu_blocks=256, burst_wait_ms=wait_ms, burst_gap_ms=FOREVER_MS),
+        )
+        try:
+            (prompt,) = random_prompts([12], engine.model_agent.info.vocab_size, seed=7)
+            if announce:
+                engine.client.expect_arrival()  # never ended
+            out: dict = {}
+            _run(engine, 1, prompt, out).join(timeout=60)
+            assert 1 in out and out[1].generate_token_len == 2, (wait_ms, announce)
+            assert engine.request_manager.num_arriving() == int(announce)
+            engine.check_integrity()
+        finally:
+            engine.close()
+
+
+def test_closing_the_engine_ends_its_wait_for_a_burst(tiny_llama_path):
+    """An engine closed while its first step waits for an announced arrival that never
+    comes stops at once, not at `burst_wait_ms` (here one no test reaches); the request it
+    held gets an error."""
     engine = Engine.from_pretrained(
-        tiny_llama_path,
-        EngineConfig(num_gpu_blocks=256, burst_wait_ms=20.0, burst_gap_ms=FOREVER_MS),
+        tiny_llama_path, EngineConfig(num_gpu_blocks=256, burst_wait_ms=FOREVER_MS)
     )
-    try:
-        (prompt,) = random_prompts([12], engine.model_agent.info.vocab_size, seed=7)
-        out: dict = {}
-        _run(engine, 1, prompt, out).join(timeout=120)
-        assert out[1].generate_token_len == 2
-        engine.client.expect_arrival()  # never ended
-        _run(engine, 2, prompt, out).join(timeout=120)
-        assert out[2].generate_token_len == 2
-        assert engine.request_manager.num_arriving() == 1
-        engine.check_integrity()
-    finally:
-        engine.close()
+    (prompt,) = random_prompts([12], engine.model_agent.info.vocab_size, seed=8)
+    engine.client.expect_arrival()  # never ended
+    out: dict = {}
+    held = _run(engine, 1, prompt, out)
+    _wait_for_pending(engine, 1)
+    closing = threading.Thread(target=engine.close)
+    closing.start()
+    closing.join(timeout=60)
+    assert not closing.is_alive(), "close() waited out the burst"
+    held.join(timeout=60)
+    assert out[1].finish_reason == "error", out[1]
 
 
 @pytest.mark.parametrize("value", [-1.0, float("nan")])

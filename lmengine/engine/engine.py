@@ -377,8 +377,9 @@ class Engine(LoraAdmin):
         alone, and every other prompt of the burst would wait that step out too."""
         cfg, sched = self.engine_config, self.scheduler
         wait_s, gap_s = cfg.burst_wait_ms / 1000, cfg.burst_gap_ms / 1000
-        inbox = self.request_manager
-        for got in inbox.burst(wait_s, gap_s, sched.waiting, sched.waiting_fill_a_step):
+        for got in self.request_manager.burst(
+            wait_s, gap_s, sched.waiting, lambda: self._stop.is_set() or sched.waiting_fill_a_step()
+        ):
             for req in got:
                 self._handle(req)
 

@@ -224,13 +224,14 @@ class RequestManager:
         (call it after submitting, and again wherever the request may end unsubmitted)."""
         with self._lock:
             self._arriving += 1
-        arrived = threading.Event()
+        counted = True
 
         def done() -> None:
+            nonlocal counted
             with self._lock:
-                if arrived.is_set():
+                if not counted:
                     return
-                arrived.set()
+                counted = False
                 self._arriving -= 1
             self._wakeup.set()  # an engine gathering a burst looks again
 
@@ -242,15 +243,16 @@ class RequestManager:
 
     # ---- the engine loop thread ---------------------------------------------------------------
     def burst(
-        self, wait_s: float, gap_s: float, waiting: Sized, full: Callable[[], bool]
+        self, wait_s: float, gap_s: float, waiting: Sized, enough: Callable[[], bool]
     ) -> Iterator[list[Request]]:
         """The rest of a burst arriving at an idle engine, as it comes (each list drained), until
-        `full()` (a step's worth waits): while requests are announced (`expect_arrival`), and
-        once two or more are `waiting` (the scheduler's queue; a lone request never waits) as
-        long as they keep coming less than `gap_s` apart; for `wait_s` at most."""
+        `enough()` (a step's worth waits, or the engine stops: `wake` ends a wait): while
+        requests are announced (`expect_arrival`), and once two or more are `waiting` (the
+        scheduler's queue; a lone request never waits) as long as they keep coming less than
+        `gap_s` apart; for `wait_s` at most."""
         last = time.monotonic()  # when the latest request came
         deadline = last + wait_s
-        while not full():
+        while not enough():
             if self.num_arriving():
                 until = deadline
             elif len(waiting) >= 2:
