@@ -53,6 +53,7 @@ TEST_KINDS = {
         "test_engine.py",
         "test_burst.py",
         "test_first_token.py",
+        "test_kept_rows.py",
         "test_kv_pool_sizing.py",
         "test_kv_prefault.py",
         "test_pipeline.py",

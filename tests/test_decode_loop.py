@@ -30,8 +30,8 @@ def loop_calls(monkeypatch):
     rows: list[int] = []
     real = llama.run_decode_layers
 
-    def counted(layers, hidden_states, ctx, owner, classes):
-        out = real(layers, hidden_states, ctx, owner, classes)
+    def counted(layers, hidden_states, ctx, owner, classes, kept=None):
+        out = real(layers, hidden_states, ctx, owner, classes, kept)
         if out is not None:
             rows.append(hidden_states.shape[0])
         return out
@@ -162,10 +162,17 @@ def test_forward_hooks_and_replaced_weights_are_seen(monkeypatch, loop_calls, ti
         assert loop_calls  # built and used
         loop_calls.clear()
         seen = []
-        handle = model.model.layers[1].mlp.register_forward_hook(lambda m, a, o: seen.append(1))
+        handle = model.model.layers[0].mlp.register_forward_hook(lambda m, a, o: seen.append(1))
         assert inst.infer(2, prompt[0], gen_config=GEN).logprobs == first.logprobs
         handle.remove()
         assert seen and not loop_calls  # every step ran the modules while the hook was there
+        # a hook on the last layer sees every row: that layer then runs on all of them
+        rows = []
+        last = model.model.layers[-1].mlp
+        handle = last.register_forward_hook(lambda m, a, o: rows.append(o.shape[0]))
+        inst.infer(5, prompt[0], gen_config=GEN)
+        handle.remove()
+        assert rows[0] == len(prompt[0]) and not loop_calls
 
         down = model.model.layers[0].mlp.down_proj
         down.weight = torch.nn.Parameter(down.weight * 0.5, requires_grad=False)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from lmengine.kernels import apply_rotary, fill_kv_cache, paged_attention, rotary_fill_kv_cpu
-from lmengine.models.context import get_step_context
+from lmengine.models.context import KeptRows, get_step_context
 
 
 def apply_partial_rotary(
@@ -74,11 +74,17 @@ class PagedAttentionMixin:
         return q_rot.to(q.dtype), k_rot.to(k.dtype)
 
     def paged_attend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scale: float | None = None,
+        kept: KeptRows | None = None,
     ) -> torch.Tensor:
         """q: [num_tokens, heads * head_dim], k, v: [num_tokens, kv_heads * head_dim] (or
         already split into heads) -> [num_tokens, heads * head_dim]. Rotary applies when the
-        model put cos/sin into the step context."""
+        model put cos/sin into the step context. With `kept`, every token's K and V go to the
+        cache and only the kept rows attend: [num_kept, heads * head_dim]."""
         ctx = get_step_context()
         num_tokens = q.shape[0]
         # (k, v), or (k, v, k_scale, v_scale) with an int8 cache
@@ -99,11 +105,14 @@ class PagedAttentionMixin:
             if rotary is not None:
                 q, k = self.rotate(q, k, *rotary)
             fill_kv_cache(k, v, k_cache, v_cache, ctx.slot_mapping, *scales)
+        meta = ctx.attn_meta
+        if kept is not None:
+            q, meta, num_tokens = q[kept.rows], kept.meta, kept.rows.numel()
         out = paged_attention(
             q,
             k_cache,
             v_cache,
-            ctx.attn_meta,
+            meta,
             self.scaling if scale is None else scale,
             self.sliding_window,
             self.attn_logit_softcapping,

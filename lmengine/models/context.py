@@ -30,6 +30,39 @@ class StepContext:
     rotary_by_type: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
     lora: Any = None  # lmengine.models.lora.LoRAStep when a scheduled sequence uses an adapter
     hooks: Any = None  # lmengine.models.hooks.LayerHooks when a request steers or reads layers
+    # the backbone ran its last layer on the logits rows alone (`kept_rows`): its output is
+    # those rows, in logits_indices' order
+    logits_rows_only: bool = False
+    _kept: Any = None  # kept_rows's, built once
+
+
+@dataclass
+class KeptRows:
+    """The rows of a step whose last layer's output is read (its logits rows), each as a
+    one-token decode over the cache at its own position: a model may run its last layer's
+    attention queries, output projection and MLP on these rows alone, once every row's K and
+    V are in the cache, for the same result on them."""
+
+    rows: torch.Tensor  # [num_kept] packed rows (logits_indices)
+    meta: AttentionMetadata  # one sequence per row: its blocks, kv_len = position + 1
+
+
+def kept_rows(ctx: StepContext) -> KeptRows | None:
+    """The step's KeptRows, or None when every row is read (a step of decodes alone), none is
+    (a prompt chunk short of its end: nothing to keep) or the step is not on the CPU."""
+    if ctx._kept is None:
+        rows = ctx.logits_indices
+        meta = ctx.attn_meta
+        if not 0 < rows.numel() < ctx.positions.numel() or rows.is_cuda or not meta.groups:
+            ctx._kept = False
+        else:
+            seqs = torch.searchsorted(meta.q_start_loc, rows.int(), right=True) - 1
+            kv_lens = (ctx.positions[rows] + 1).tolist()
+            bs = meta.block_size
+            tables = [t[: -(-n // bs)] for t, n in zip(meta.block_tables[seqs].tolist(), kv_lens)]
+            kept = AttentionMetadata.build(tables, [1] * len(kv_lens), kv_lens, bs)
+            ctx._kept = KeptRows(rows, kept)
+    return ctx._kept or None
 
 
 _CURRENT: StepContext | None = None

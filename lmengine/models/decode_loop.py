@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import operator
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -40,7 +41,7 @@ from lmengine.kernels.gguf import MAX_GEMV_ROWS as _GGUF_GEMV_ROWS
 from lmengine.kernels.linear import padded_rows, route
 from lmengine.kernels.paged_attention import prefill_kernel
 from lmengine.models.attention import PagedAttentionMixin
-from lmengine.models.context import StepContext
+from lmengine.models.context import KeptRows, StepContext
 from lmengine.models.layers import GGUFLinear, MergedLinear, PackedLinear
 
 _FLOAT32, _BFLOAT16, _GGUF = 0, 1, 2  # DecodeLoop's weights kinds
@@ -83,10 +84,17 @@ class _Built:
 
     def hooked(self) -> bool:
         """Whether a forward hook would see one of the modules (then the modules run)."""
-        hooks = nn.modules.module
-        if hooks._global_forward_hooks or hooks._global_forward_pre_hooks:
-            return True
-        return any(self.hook_dicts)
+        return _global_hooks() or any(self.hook_dicts)
+
+
+def _global_hooks() -> bool:
+    hooks = nn.modules.module
+    return bool(hooks._global_forward_hooks or hooks._global_forward_pre_hooks)
+
+
+def any_forward_hooks(modules: Iterable[nn.Module]) -> bool:
+    """Whether a forward hook, global or on one of `modules`, would see them run."""
+    return _global_hooks() or any(m._forward_hooks or m._forward_pre_hooks for m in modules)
 
 
 def _store_of(module: nn.Module, name: str) -> dict:
@@ -114,10 +122,13 @@ def run_decode_layers(
     ctx: StepContext,
     owner: nn.Module,
     classes: LayerClasses,
+    kept: KeptRows | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(hidden states, residual) after `layers` in one compiled call, or None when this step or
     these layers do not take it (the caller then runs the modules). `owner` keeps the built
-    loop between steps; a layer takes it only with `classes`' own methods."""
+    loop between steps; a layer takes it only with `classes`' own methods. With `kept`, the
+    last layer runs on the kept rows as PatchedLlamaDecoderLayer's forward does, and the
+    result is those rows."""
     if not is_enabled() or ctx.hooks is not None or hidden_states.is_cuda:
         return None
     if ctx.cos is None or any(len(cache) != 2 for cache in ctx.kv_caches):
@@ -131,14 +142,13 @@ def run_decode_layers(
     groups = _attention_groups(ctx, hidden_states.dtype, decode_only=built.kind == _GGUF)
     if groups is None:
         return None
-    rows, dtype = hidden_states.shape[0], hidden_states.dtype
-    routes = (
-        [route(rows, dtype, lin.in_features, lin.weight, lin.packed) for lin in built.linears]
-        if built.kind != _GGUF
-        else [0] * 4
-    )
-    # NOTE: every linear of a step takes the same route here, so one row count serves them all
-    padded = padded_rows(rows, dtype, routes[0]) if len(set(routes)) == 1 else rows
+    routes, padded = _routes(built, hidden_states.shape[0], hidden_states.dtype)
+    kept_args: list[torch.Tensor] = []
+    kept_routes, kept_padded = [0] * 4, 0
+    if kept is not None:
+        (plan,) = kept.meta.groups  # one decode group, every row of it
+        kept_args = [kept.rows, plan.decode_tables, plan.decode_kv_lens]
+        kept_routes, kept_padded = _routes(built, kept.rows.numel(), hidden_states.dtype)
     return built.loop.run(
         hidden_states,
         ctx.cos.contiguous(),
@@ -149,7 +159,19 @@ def run_decode_layers(
         [cache[1] for cache in ctx.kv_caches[: len(layers)]],
         routes,
         padded,
+        kept_args,
+        kept_routes,
+        kept_padded,
     )
+
+
+def _routes(built: _Built, rows: int, dtype: torch.dtype) -> tuple[list[int], int]:
+    """The route of each of the four linears for `rows` rows, and the rows they compute."""
+    if built.kind == _GGUF:
+        return [0] * 4, rows
+    routes = [route(rows, dtype, lin.in_features, lin.weight, lin.packed) for lin in built.linears]
+    # NOTE: every linear of a step takes the same route here, so one row count serves them all
+    return routes, padded_rows(rows, dtype, routes[0]) if len(set(routes)) == 1 else rows
 
 
 def _attention_groups(
@@ -201,21 +223,22 @@ def _build(layers: list[nn.Module], classes: LayerClasses) -> _Built | None:
     kinds, modules, tensors, biases, qtypes, eps, scales = set(), [], [], [], [], set(), set()
     packed, shapes = [], set()  # shapes: what a linear's route depends on, per position
     for i, layer in enumerate(layers):
-        if not _same(layer, classes.layer, "forward", "norm_input"):
+        if not same_methods(layer, classes.layer, "forward", "norm_input"):
             return None  # another layout: it may not even have these modules
         attn, mlp = layer.self_attn, layer.mlp
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
         if not (
-            _same(attn, classes.attention, "forward")
-            and _same(attn, PagedAttentionMixin, "paged_attend", "norm_qk", "rotary", "rotate")
-            and _same(attn, PagedAttentionMixin, "attention_sinks")
+            same_methods(attn, classes.attention, "forward")
+            and same_methods(attn, PagedAttentionMixin, "paged_attend", "norm_qk", "rotary")
+            and same_methods(attn, PagedAttentionMixin, "rotate")
+            and same_methods(attn, PagedAttentionMixin, "attention_sinks")
             and attn.layer_idx == i  # the loop hands layer i the i-th cache
             and attn.sliding_window is None
             and attn.attn_logit_softcapping is None
-            and _same(mlp, classes.mlp, "forward", "act_mul", "fuses_silu_mul")
+            and same_methods(mlp, classes.mlp, "forward", "act_mul", "fuses_silu_mul")
             and isinstance(mlp.act_fn, (SiLUActivation, nn.SiLU))
             and mlp.gate_up_proj.output_sizes[0] * 2 == mlp.gate_up_proj.out_features
-            and all(_same(norm, classes.norm, "forward") for norm in norms)
+            and all(same_methods(norm, classes.norm, "forward") for norm in norms)
             and len(attn.qkv_proj.output_sizes) == 3
         ):
             return None
@@ -262,7 +285,7 @@ def _build(layers: list[nn.Module], classes: LayerClasses) -> _Built | None:
     return _Built(loop, kind, modules, tensors, [*linears, first.mlp.down_proj])
 
 
-def _same(module: nn.Module, cls: type, *names: str) -> bool:
+def same_methods(module: nn.Module, cls: type, *names: str) -> bool:
     """`module`'s class has `cls`'s own `names` (a subclass may, as long as it overrides none)."""
     return isinstance(module, cls) and all(
         getattr(type(module), name) is getattr(cls, name) for name in names

@@ -22,8 +22,13 @@ from transformers.models.llama.modeling_llama import (
 from lmengine.kernels import add_rms_norm, rms_norm
 from lmengine.kernels.activation import silu_mul
 from lmengine.models.attention import PagedAttentionMixin, set_rotary
-from lmengine.models.context import get_step_context
-from lmengine.models.decode_loop import LayerClasses, run_decode_layers
+from lmengine.models.context import KeptRows, StepContext, get_step_context, kept_rows
+from lmengine.models.decode_loop import (
+    LayerClasses,
+    any_forward_hooks,
+    run_decode_layers,
+    same_methods,
+)
 from lmengine.models.layers import PackedLinear, merge_linears
 
 
@@ -89,9 +94,11 @@ class PatchedLlamaAttention(PagedAttentionMixin, LlamaAttention):
         merge_linears(self, "qkv_proj", ["q_proj", "k_proj", "v_proj"])
         PackedLinear.convert(self.o_proj)
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, kept: KeptRows | None = None) -> torch.Tensor:
+        """[num_tokens, hidden] -> [num_tokens, hidden]; with `kept`, every token's K and V go
+        to the cache and the kept rows alone come out: [num_kept, hidden]."""
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden_states))  # [num_tokens, q/k/v size]
-        return self.o_proj(self.paged_attend(q, k, v))
+        return self.o_proj(self.paged_attend(q, k, v, kept=kept))
 
 
 class PatchedLlamaDecoderLayer(LlamaDecoderLayer):
@@ -105,10 +112,17 @@ class PatchedLlamaDecoderLayer(LlamaDecoderLayer):
         return self.input_layernorm(hidden_states, residual)
 
     def forward(
-        self, hidden_states: torch.Tensor, residual: torch.Tensor | None
+        self,
+        hidden_states: torch.Tensor,
+        residual: torch.Tensor | None,
+        kept: KeptRows | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """With `kept` (the last layer, `kept_rows`), the kept rows alone after attention."""
         hidden_states, residual = self.norm_input(hidden_states, residual)
-        hidden_states = self.self_attn(hidden_states)
+        if kept is None:
+            hidden_states = self.self_attn(hidden_states)
+        else:
+            hidden_states, residual = self.self_attn(hidden_states, kept), residual[kept.rows]
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
 
@@ -117,6 +131,23 @@ class PatchedLlamaDecoderLayer(LlamaDecoderLayer):
 LLAMA_LAYER = LayerClasses(
     PatchedLlamaDecoderLayer, PatchedLlamaAttention, PatchedLlamaMLP, PatchedRMSNorm
 )
+
+
+def _kept_rows(layer: nn.Module, ctx: StepContext) -> KeptRows | None:
+    """The rows the last layer may run alone (`kept_rows`: the logits rows), or None: when a
+    research hook, an adapter or a forward hook would see the others, or `layer` is not the
+    patched Llama layer with its attention as here (its MLP and norms work row by row)."""
+    if ctx.hooks is not None or ctx.lora is not None:
+        return None
+    attn = getattr(layer, "self_attn", None)
+    plain = (
+        same_methods(layer, PatchedLlamaDecoderLayer, "forward", "norm_input")
+        and same_methods(attn, PatchedLlamaAttention, "forward")
+        and same_methods(attn, PagedAttentionMixin, "paged_attend")
+    )
+    if not plain or any_forward_hooks(layer.modules()):
+        return None
+    return kept_rows(ctx)
 
 
 class PatchedLlamaModel(LlamaModel):
@@ -138,16 +169,22 @@ class PatchedLlamaModel(LlamaModel):
         if hooks is not None:
             hooks.after_layer(0, hidden_states)
         layers = self.layers[: self.config.num_hidden_layers]
+        # the last layer on the logits rows alone, where nothing reads the others
+        kept = _kept_rows(layers[-1], ctx) if layers else None
         # every layer in one compiled call where the step and the layers allow, else None
-        looped = run_decode_layers(layers, hidden_states, ctx, self, LLAMA_LAYER)
+        looped = run_decode_layers(layers, hidden_states, ctx, self, LLAMA_LAYER, kept)
         if looped is not None:
             hidden_states, residual = looped
         else:
             residual = None
             for i, layer in enumerate(layers, 1):
-                hidden_states, residual = layer(hidden_states, residual)
+                if kept is not None and i == len(layers):
+                    hidden_states, residual = layer(hidden_states, residual, kept)
+                else:
+                    hidden_states, residual = layer(hidden_states, residual)
                 if hooks is not None:
                     hooks.after_layer(i, hidden_states, residual)
+        ctx.logits_rows_only = kept is not None
         hidden_states, _ = self.norm(hidden_states, residual)
         if hooks is not None:
             hooks.after_norm(hidden_states)
@@ -165,5 +202,7 @@ class PatchedLlamaForCausalLM(LlamaForCausalLM):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids: [num_tokens] -> logits of the sampled rows [num_samples, vocab]."""
         hidden_states = getattr(self, self.backbone_name)(input_ids)
-        hidden_states = hidden_states[get_step_context().logits_indices]
+        ctx = get_step_context()
+        if not ctx.logits_rows_only:
+            hidden_states = hidden_states[ctx.logits_indices]
         return self.lm_head(hidden_states).float()

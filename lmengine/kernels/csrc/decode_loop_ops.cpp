@@ -149,7 +149,11 @@ class DecodeLoop {
   // attention groups, in the metadata's order (`group_kinds` 0 decode, 1 prompt chunks, and
   // each group's tensors: see Group); the caches of every layer; the route of each of qkv, o,
   // gate_up and down at this step (the same in every layer; ignored for GGUF blocks).
-  // Returns (hidden states, residual stream) after the last layer: the final norm adds them.
+  // `kept` (empty, or rows [S] int64, tables [S, blocks] and kv_lens [S] int32: context.py's
+  // KeptRows) runs the last layer on those rows alone once every row's K and V are cached:
+  // their queries attend as one-token decodes, `kept_routes` and `kept_padded` serve their
+  // linears. Returns (hidden states, residual stream) after the last layer, of every row or of
+  // the kept rows: the final norm adds them.
   std::tuple<at::Tensor, at::Tensor> run(const at::Tensor& hidden, const at::Tensor& cos,
                                          const at::Tensor& sin, const at::Tensor& slot_mapping,
                                          const std::vector<int64_t>& group_kinds,
@@ -157,7 +161,9 @@ class DecodeLoop {
                                          std::vector<at::Tensor> k_caches,
                                          std::vector<at::Tensor> v_caches,
                                          const std::vector<int64_t>& routes,
-                                         int64_t padded_rows) const {
+                                         int64_t padded_rows, const std::vector<at::Tensor>& kept,
+                                         const std::vector<int64_t>& kept_routes,
+                                         int64_t kept_padded) const {
     TORCH_CHECK(k_caches.size() == layers_.size() && v_caches.size() == layers_.size(),
                 "DecodeLoop.run: one k and one v cache per layer");
     TORCH_CHECK(!group_kinds.empty() && group_kinds.size() == group_tensors.size(),
@@ -167,6 +173,9 @@ class DecodeLoop {
       groups.push_back(make_group(group_kinds[g], group_tensors[g]));
     }
     TORCH_CHECK(routes.size() == 4, "DecodeLoop.run: one route for each of the 4 linears");
+    TORCH_CHECK(kept.empty() || (kept.size() == 3 && kept_routes.size() == 4 &&
+                                 kept_padded >= kept[0].size(0)),
+                "DecodeLoop.run: kept is (rows, tables, kv_lens) with 4 routes and its padded rows");
     for (const int64_t r : routes) {
       TORCH_CHECK(r >= kPlain && r <= kBf16Tiles, "DecodeLoop.run: unknown route ", r);
     }
@@ -192,16 +201,19 @@ class DecodeLoop {
       const at::Tensor q = qkv.narrow(1, 0, q_size_);
       const at::Tensor k = qkv.narrow(1, q_size_, kv_size_);
       const at::Tensor v = qkv.narrow(1, q_size_ + kv_size_, kv_size_);
+      if (!kept.empty() && i + 1 == layers_.size()) {
+        const int64_t num_kept = kept[0].size(0);
+        const at::Tensor rotated =
+            rotate_fill(q, k, v, cos, sin, k_caches[i], v_caches[i], slot_mapping);
+        const at::Tensor qd = rotated.index_select(0, kept[0]).contiguous();
+        const at::Tensor attn = decode(qd, k_caches[i], v_caches[i], kept[1], kept[2]);
+        residual = pad(residual.index_select(0, kept[0]), kept_padded);
+        h = mlp_block(layer, pad(attn.view({num_kept, -1}), kept_padded), residual, kept_routes);
+        return {h.narrow(0, 0, num_kept), residual.narrow(0, 0, num_kept)};
+      }
       const at::Tensor attn = attend(q, k, v, cos, sin, k_caches[i], v_caches[i], slot_mapping,
                                      groups, padded_rows);
-      const at::Tensor o = apply(layer.o, attn.view({padded_rows, -1}), routes[1]);
-      std::tie(normed, residual) = norm(o, layer.post_norm, residual);
-      at::Tensor act;
-      {  // NOTE: gate_up freed before down runs, as in the modules: its memory serves down's output
-        const at::Tensor gate_up = apply(layer.gate_up, normed, routes[2]);
-        act = bf16() ? bf16_silu_mul(gate_up) : silu_mul(gate_up);
-      }
-      h = apply(layer.down, act, routes[3]);
+      h = mlp_block(layer, attn.view({padded_rows, -1}), residual, routes);
     }
     return {h.narrow(0, 0, rows), residual.narrow(0, 0, rows)};
   }
@@ -238,6 +250,29 @@ class DecodeLoop {
     TORCH_CHECK(false, "DecodeLoop: unknown route ", route);
   }
 
+  // o projection, the residual add and post-attention norm, then the MLP: the layer after
+  // attention. `residual` is updated; returns the MLP's output.
+  at::Tensor mlp_block(const Layer& layer, const at::Tensor& attn, at::Tensor& residual,
+                       const std::vector<int64_t>& routes) const {
+    const at::Tensor o = apply(layer.o, attn, routes[1]);
+    at::Tensor normed;
+    std::tie(normed, residual) = norm(o, layer.post_norm, residual);
+    at::Tensor act;
+    {  // NOTE: gate_up freed before down runs, as in the modules: its memory serves down's output
+      const at::Tensor gate_up = apply(layer.gate_up, normed, routes[2]);
+      act = bf16() ? bf16_silu_mul(gate_up) : silu_mul(gate_up);
+    }
+    return apply(layer.down, act, routes[3]);
+  }
+
+  // `x` [rows, ...] with zero rows up to `padded` rows
+  static at::Tensor pad(const at::Tensor& x, int64_t padded) {
+    if (padded == x.size(0)) return x;
+    at::Tensor out = at::zeros({padded, x.size(1)}, x.options());
+    out.narrow(0, 0, x.size(0)).copy_(x);
+    return out;
+  }
+
   std::tuple<at::Tensor, at::Tensor> norm(const at::Tensor& x, const at::Tensor& weight,
                                           const c10::optional<at::Tensor>& residual) const {
     return bf16() ? bf16_rms_norm(x, weight, eps_, residual) : rms_norm(x, weight, eps_, residual);
@@ -250,9 +285,7 @@ class DecodeLoop {
                     const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
                     at::Tensor& v_cache, const at::Tensor& slot_mapping,
                     const std::vector<Group>& groups, int64_t padded_rows) const {
-    const at::Tensor rotated =  // [T, heads, head_dim]
-        bf16() ? rotary_fill_kv_bf16(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
-               : rotary_fill_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping);
+    const at::Tensor rotated = rotate_fill(q, k, v, cos, sin, k_cache, v_cache, slot_mapping);
     const int64_t rows = rotated.size(0);
     at::Tensor out, step_out;  // [padded_rows, heads, head_dim] and its first `rows`
     auto outputs = [&]() -> at::Tensor& {
@@ -267,11 +300,7 @@ class DecodeLoop {
       if (g.decode) {
         const bool whole = !g.rows.defined();
         const at::Tensor qd = whole ? rotated : rotated.index_select(0, g.rows).contiguous();
-        at::Tensor res =
-            bf16() ? paged_decode_attention_bf16(qd, k_cache, v_cache, g.tables, g.kv_lens,
-                                                 scale_, 0, 0.0, c10::nullopt)
-                   : paged_decode_attention(qd, k_cache, v_cache, g.tables, g.kv_lens, scale_, 0,
-                                            0.0, c10::nullopt);
+        at::Tensor res = decode(qd, k_cache, v_cache, g.tables, g.kv_lens);
         if (whole && padded_rows == rows) return res;
         if (whole) {
           outputs().copy_(res);
@@ -289,6 +318,23 @@ class DecodeLoop {
       }
     }
     return out;
+  }
+
+  // rotary on q and k fused with the cache write: rotated q [T, heads, head_dim]
+  at::Tensor rotate_fill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                         const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
+                         at::Tensor& v_cache, const at::Tensor& slot_mapping) const {
+    return bf16() ? rotary_fill_kv_bf16(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
+                  : rotary_fill_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping);
+  }
+
+  // one-token queries qd [n, heads, head_dim] over the cache (paged_attention_cpu's kernel)
+  at::Tensor decode(const at::Tensor& qd, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                    const at::Tensor& tables, const at::Tensor& kv_lens) const {
+    return bf16() ? paged_decode_attention_bf16(qd, k_cache, v_cache, tables, kv_lens, scale_, 0,
+                                                0.0, c10::nullopt)
+                  : paged_decode_attention(qd, k_cache, v_cache, tables, kv_lens, scale_, 0, 0.0,
+                                           c10::nullopt);
   }
 
   Weights weights_;
@@ -314,6 +360,7 @@ void register_decode_loop_ops(py::module& m) {
       .def("run", &DecodeLoop::run, release_gil(), py::arg("hidden"), py::arg("cos"),
            py::arg("sin"), py::arg("slot_mapping"), py::arg("group_kinds"),
            py::arg("group_tensors"), py::arg("k_caches"), py::arg("v_caches"), py::arg("routes"),
-           py::arg("padded_rows"))
+           py::arg("padded_rows"), py::arg("kept"), py::arg("kept_routes"),
+           py::arg("kept_padded"))
       .def_property_readonly("num_layers", &DecodeLoop::num_layers);
 }

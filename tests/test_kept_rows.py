@@ -1,0 +1,105 @@
+"""The last layer on the logits rows alone (models/context.py's `kept_rows`): a Llama-shaped
+model writes every row's K and V in its last layer, then runs that layer's attention queries,
+output projection and MLP on the rows whose logits the step reads; the other layers, the
+steps whose rows are all read (decodes) and the steps that read none (a prompt chunk short of
+its end) run every row. The tokens and log-probabilities are those of every row run, within
+float32 rounding, over prompts alone, prompt chunks beside decodes and speculative decoding
+(several rows read per sequence)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lmengine import Engine, EngineConfig, GenerationConfig
+from lmengine.models import llama
+from tests.engine_utils import random_prompts, run_threads
+
+GEN = GenerationConfig(max_new_tokens=6, logprobs=2, ignore_eos=True)
+
+
+def generate(path, cfg: EngineConfig, prompts, gen=GEN):
+    with Engine.from_pretrained(path, cfg) as engine:
+        out = run_threads(engine, prompts, gen, together=True)
+        engine.check_integrity()
+    return [(r.token_ids, r.logprobs) for r in out]
+
+
+def test_the_last_layer_runs_on_the_logits_rows_alone(monkeypatch, tiny_llama_path):
+    """Each MLP call's rows, per layer: the first layer sees every row of a step, the last
+    one the rows that get logits; a prompt chunk short of its end is run whole."""
+    calls: list[tuple[int, int]] = []
+    real = llama.PatchedLlamaMLP.forward
+
+    def recording(self, x):
+        calls.append((self.layer_index, x.shape[0]))
+        return real(self, x)
+
+    monkeypatch.setattr(llama.PatchedLlamaMLP, "forward", recording)
+    monkeypatch.setenv("LMENGINE_DECODE_LOOP", "0")  # the modules run (the loop's twin of
+    # this layer gives the same bits: tests/test_decode_loop.py)
+    cfg = EngineConfig(dtype="float32", num_gpu_blocks=64, max_prefill_token_num=16)
+    with Engine.from_pretrained(tiny_llama_path, cfg) as engine:
+        layers = engine.model_agent.runner.model.model.layers
+        for i, layer in enumerate(layers):
+            layer.mlp.layer_index = i
+        last = len(layers) - 1
+        run_threads(engine, random_prompts([5, 9, 2], 49152, seed=1), GEN, together=True)
+        steps = [calls[i : i + len(layers)] for i in range(0, len(calls), len(layers))]
+        assert steps[0] == [(0, 16), *[(i, 16) for i in range(1, last)], (last, 3)]
+        run_threads(engine, random_prompts([40], 49152, seed=2), GEN)
+        engine.check_integrity()
+    steps = [calls[i : i + len(layers)] for i in range(0, len(calls), len(layers))]
+    # the 40-token prompt in chunks of 16, 16 and 8: only its last chunk is read
+    chunks = [s for s in steps if s[0][1] > 1][-3:]
+    assert [s[0][1] for s in chunks] == [16, 16, 8]
+    assert [s[-1][1] for s in chunks] == [16, 16, 1]
+    assert all(s[-1][1] == s[0][1] for s in steps if s[0][1] <= 3)  # decodes: every row
+
+
+@pytest.mark.parametrize(
+    "schedule",
+    [
+        {},  # prompts in one step, then decodes
+        {"max_prefill_token_num": 12},  # prompt chunks beside decodes
+        {"speculative": "ngram"},  # a decode step reads every drafted row
+    ],
+)
+def test_the_kept_rows_give_every_rows_tokens(monkeypatch, tiny_llama_path, schedule):
+    prompts = random_prompts([7, 30, 3, 18], 49152, seed=3)
+    prompts.append([5, 6, 7, 8] * 6)  # repeats: the n-gram drafter proposes tokens
+    cfg = EngineConfig(dtype="float32", num_gpu_blocks=256, **schedule)
+    kept = generate(tiny_llama_path, cfg, prompts)
+    monkeypatch.setattr(llama, "_kept_rows", lambda layer, ctx: None)
+    whole = generate(tiny_llama_path, cfg, prompts)
+    for (tokens, logprobs), (tokens_whole, logprobs_whole) in zip(kept, whole):
+        assert tokens == tokens_whole
+        for step, step_whole in zip(logprobs, logprobs_whole):
+            assert step.keys() == step_whole.keys()
+            for token, value in step.items():
+                assert value == pytest.approx(step_whole[token], abs=1e-4)
+
+
+def test_not_kept_when_research_hooks_read_the_layers(monkeypatch, tiny_llama_path):
+    """Hidden states read from the last layer: every row runs it."""
+    from lmengine.models.context import StepContext
+
+    asked: list[bool] = []
+    real = llama._kept_rows
+
+    def watched(layer, ctx: StepContext):
+        out = real(layer, ctx)
+        asked.append(out is not None)
+        return out
+
+    monkeypatch.setattr(llama, "_kept_rows", watched)
+    cfg = EngineConfig(dtype="float32", num_gpu_blocks=64)
+    with Engine.from_pretrained(tiny_llama_path, cfg) as engine:
+        num_layers = len(engine.model_agent.runner.model.model.layers)
+        gen = GenerationConfig(max_new_tokens=2, output_hidden_states=(num_layers,))
+        out = engine.create_instance().infer(1, list(range(3, 12)), gen_config=gen)
+        assert out.hidden_states[num_layers].shape[0] == 9 + 1  # every prompt row, then one
+        assert asked and not any(asked)
+        engine.create_instance().infer(2, list(range(3, 12)), gen_config=GEN)
+        assert any(asked)  # the same prompt without hooks keeps its logits rows
+    assert torch.is_tensor(out.hidden_states[num_layers])
