@@ -184,11 +184,7 @@ class DecodeLoop {
     // kernels/linear.py's `padded_rows`: the linears run on `padded_rows` rows (zeros past the
     // step's), every row-wise op with them; rotary, the cache write and attention take the
     // step's rows only, and the pad rows of attention's output are zeros
-    at::Tensor h = hidden, residual, normed;
-    if (padded_rows > rows) {
-      h = at::zeros({padded_rows, hidden.size(1)}, hidden.options());
-      h.narrow(0, 0, rows).copy_(hidden);
-    }
+    at::Tensor h = pad(hidden, padded_rows), residual, normed;
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& layer = layers_[i];
       if (i == 0) {
