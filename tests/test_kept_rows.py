@@ -1,10 +1,11 @@
 """The last layer on the logits rows alone (models/context.py's `kept_rows`): a Llama-shaped
 model writes every row's K and V in its last layer, then runs that layer's attention queries,
 output projection and MLP on the rows whose logits the step reads; the other layers, the
-steps whose rows are all read (decodes) and the steps that read none (a prompt chunk short of
-its end) run every row. The tokens and log-probabilities are those of every row run, within
-float32 rounding, over prompts alone, prompt chunks beside decodes and speculative decoding
-(several rows read per sequence)."""
+steps whose rows are all read (decodes) run every row, and a step that reads none (prompt
+chunks short of their ends) stops its last layer once K and V are cached. The tokens and
+log-probabilities are those of every row run, within float32 rounding, over prompts alone,
+prompt chunks beside decodes, a long prompt's chunks alone and speculative decoding (several
+rows read per sequence)."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ def generate(path, cfg: EngineConfig, prompts, gen=GEN):
 
 def test_the_last_layer_runs_on_the_logits_rows_alone(monkeypatch, tiny_llama_path):
     """Each MLP call's rows, per layer: the first layer sees every row of a step, the last
-    one the rows that get logits; a prompt chunk short of its end is run whole."""
+    one the rows that get logits; a prompt chunk short of its end calls no MLP there."""
     calls: list[tuple[int, int]] = []
     real = llama.PatchedLlamaMLP.forward
 
@@ -45,16 +46,26 @@ def test_the_last_layer_runs_on_the_logits_rows_alone(monkeypatch, tiny_llama_pa
             layer.mlp.layer_index = i
         last = len(layers) - 1
         run_threads(engine, random_prompts([5, 9, 2], 49152, seed=1), GEN, together=True)
-        steps = [calls[i : i + len(layers)] for i in range(0, len(calls), len(layers))]
-        assert steps[0] == [(0, 16), *[(i, 16) for i in range(1, last)], (last, 3)]
+        assert by_step(calls)[0] == [(0, 16), *[(i, 16) for i in range(1, last)], (last, 3)]
         run_threads(engine, random_prompts([40], 49152, seed=2), GEN)
         engine.check_integrity()
-    steps = [calls[i : i + len(layers)] for i in range(0, len(calls), len(layers))]
+    steps = by_step(calls)
     # the 40-token prompt in chunks of 16, 16 and 8: only its last chunk is read
     chunks = [s for s in steps if s[0][1] > 1][-3:]
     assert [s[0][1] for s in chunks] == [16, 16, 8]
-    assert [s[-1][1] for s in chunks] == [16, 16, 1]
-    assert all(s[-1][1] == s[0][1] for s in steps if s[0][1] <= 3)  # decodes: every row
+    assert [s[-1] for s in chunks] == [(last - 1, 16), (last - 1, 16), (last, 1)]
+    decodes = [s for s in steps if s[0][1] <= 3]
+    assert decodes and all(s[-1] == (last, s[0][1]) for s in decodes)  # every row
+
+
+def by_step(calls: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
+    """(layer, rows) calls cut into steps, each starting at layer 0."""
+    steps: list[list[tuple[int, int]]] = []
+    for layer, rows in calls:
+        if layer == 0:
+            steps.append([])
+        steps[-1].append((layer, rows))
+    return steps
 
 
 @pytest.mark.parametrize(
@@ -71,13 +82,31 @@ def test_the_kept_rows_give_every_rows_tokens(monkeypatch, tiny_llama_path, sche
     cfg = EngineConfig(dtype="float32", num_gpu_blocks=256, **schedule)
     kept = generate(tiny_llama_path, cfg, prompts)
     monkeypatch.setattr(llama, "_kept_rows", lambda layer, ctx: None)
-    whole = generate(tiny_llama_path, cfg, prompts)
+    assert_same_tokens(kept, generate(tiny_llama_path, cfg, prompts))
+
+
+def assert_same_tokens(kept, whole) -> None:
+    """The same tokens, and log-probabilities within float32 rounding."""
+    assert len(kept) == len(whole)
     for (tokens, logprobs), (tokens_whole, logprobs_whole) in zip(kept, whole):
         assert tokens == tokens_whole
-        for step, step_whole in zip(logprobs, logprobs_whole):
+        for step, step_whole in zip(logprobs, logprobs_whole, strict=True):
             assert step.keys() == step_whole.keys()
             for token, value in step.items():
                 assert value == pytest.approx(step_whole[token], abs=1e-4)
+
+
+def test_chunks_that_read_no_row_give_every_rows_tokens(monkeypatch, tiny_llama_path):
+    """A long prompt alone, in chunks of 8: the chunks before its last read no row and stop
+    their last layer after its K and V, which the later chunks and the decodes attend to."""
+    prompts = random_prompts([45], 49152, seed=4)
+    for loop in ("0", "1"):  # the modules, then the compiled layer loop where it is built
+        monkeypatch.setenv("LMENGINE_DECODE_LOOP", loop)
+        cfg = EngineConfig(dtype="float32", num_gpu_blocks=64, max_prefill_token_num=8)
+        kept = generate(tiny_llama_path, cfg, prompts)
+        with monkeypatch.context() as patch:
+            patch.setattr(llama, "_kept_rows", lambda layer, ctx: None)
+            assert_same_tokens(kept, generate(tiny_llama_path, cfg, prompts))
 
 
 def test_not_kept_when_research_hooks_read_the_layers(monkeypatch, tiny_llama_path):

@@ -107,6 +107,8 @@ class PagedAttentionMixin:
             fill_kv_cache(k, v, k_cache, v_cache, ctx.slot_mapping, *scales)
         meta = ctx.attn_meta
         if kept is not None:
+            if kept.meta is None:  # no query is read: writing K and V was all
+                return q.new_empty(0, q.shape[1] * v_cache.shape[-1])
             q, meta, num_tokens = q[kept.rows], kept.meta, kept.rows.numel()
         out = paged_attention(
             q,

@@ -41,20 +41,25 @@ class KeptRows:
     """The rows of a step whose last layer's output is read (its logits rows), each as a
     one-token decode over the cache at its own position: a model may run its last layer's
     attention queries, output projection and MLP on these rows alone, once every row's K and
-    V are in the cache, for the same result on them."""
+    V are in the cache, for the same result on them. No row at all (a prompt chunk short of
+    its end): the last layer writes its K and V and stops there."""
 
     rows: torch.Tensor  # [num_kept] packed rows (logits_indices)
-    meta: AttentionMetadata  # one sequence per row: its blocks, kv_len = position + 1
+    # one sequence per row: its blocks, kv_len = position + 1; None: no row is kept
+    meta: AttentionMetadata | None
 
 
 def kept_rows(ctx: StepContext) -> KeptRows | None:
-    """The step's KeptRows, or None when every row is read (a step of decodes alone), none is
-    (a prompt chunk short of its end: nothing to keep) or the step is not on the CPU."""
+    """The step's KeptRows, or None when every row is read (a step of decodes alone) or the
+    step is not on the CPU. A step that reads no row (prompt chunks short of their ends) keeps
+    none: KeptRows with no rows and no metadata."""
     if ctx._kept is None:
         rows = ctx.logits_indices
         meta = ctx.attn_meta
-        if not 0 < rows.numel() < ctx.positions.numel() or rows.is_cuda or not meta.groups:
+        if rows.numel() >= ctx.positions.numel() or rows.is_cuda or not meta.groups:
             ctx._kept = False
+        elif rows.numel() == 0:
+            ctx._kept = KeptRows(rows, None)
         else:
             seqs = torch.searchsorted(meta.q_start_loc, rows.int(), right=True) - 1
             kv_lens = (ctx.positions[rows] + 1).tolist()

@@ -145,7 +145,10 @@ def run_decode_layers(
     routes, padded = _routes(built, hidden_states.shape[0], hidden_states.dtype)
     kept_args: list[torch.Tensor] = []
     kept_routes, kept_padded = [0] * 4, 0
-    if kept is not None:
+    if kept is not None and kept.meta is None:  # no row: the last layer's K and V alone
+        none = torch.empty(0, dtype=torch.int32)
+        kept_args = [kept.rows, none.view(0, 1), none]
+    elif kept is not None:
         (plan,) = kept.meta.groups  # one decode group, every row of it
         kept_args = [kept.rows, plan.decode_tables, plan.decode_kv_lens]
         kept_routes, kept_padded = _routes(built, kept.rows.numel(), hidden_states.dtype)

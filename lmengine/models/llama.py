@@ -117,12 +117,15 @@ class PatchedLlamaDecoderLayer(LlamaDecoderLayer):
         residual: torch.Tensor | None,
         kept: KeptRows | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """With `kept` (the last layer, `kept_rows`), the kept rows alone after attention."""
+        """With `kept` (the last layer, `kept_rows`), the kept rows alone after attention; with
+        none kept, the K and V written and two empty tensors."""
         hidden_states, residual = self.norm_input(hidden_states, residual)
         if kept is None:
             hidden_states = self.self_attn(hidden_states)
         else:
             hidden_states, residual = self.self_attn(hidden_states, kept), residual[kept.rows]
+            if kept.meta is None:
+                return residual, residual  # [0, hidden]: nothing after attention is read
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
 

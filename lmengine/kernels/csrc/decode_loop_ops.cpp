@@ -152,8 +152,9 @@ class DecodeLoop {
   // `kept` (empty, or rows [S] int64, tables [S, blocks] and kv_lens [S] int32: context.py's
   // KeptRows) runs the last layer on those rows alone once every row's K and V are cached:
   // their queries attend as one-token decodes, `kept_routes` and `kept_padded` serve their
-  // linears. Returns (hidden states, residual stream) after the last layer, of every row or of
-  // the kept rows: the final norm adds them.
+  // linears; with no row kept, the last layer stops once its K and V are cached. Returns
+  // (hidden states, residual stream) after the last layer, of every row or of the kept rows:
+  // the final norm adds them.
   std::tuple<at::Tensor, at::Tensor> run(const at::Tensor& hidden, const at::Tensor& cos,
                                          const at::Tensor& sin, const at::Tensor& slot_mapping,
                                          const std::vector<int64_t>& group_kinds,
@@ -201,6 +202,10 @@ class DecodeLoop {
         const int64_t num_kept = kept[0].size(0);
         const at::Tensor rotated =
             rotate_fill(q, k, v, cos, sin, k_caches[i], v_caches[i], slot_mapping);
+        if (num_kept == 0) {  // as the modules: the layer's input rows, none of them
+          const at::Tensor none = residual.narrow(0, 0, 0);
+          return {none, none};
+        }
         const at::Tensor qd = rotated.index_select(0, kept[0]).contiguous();
         const at::Tensor attn = decode(qd, k_caches[i], v_caches[i], kept[1], kept[2]);
         residual = pad(residual.index_select(0, kept[0]), kept_padded);
